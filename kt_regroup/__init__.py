@@ -1,0 +1,48 @@
+"""kt_regroup: fused KeyedTensor regroup for TorchRec.
+
+``import kt_regroup`` registers ``torch.ops.kt_regroup.*`` (and loads the native CPU
+kernels when they are built). The torchrec-facing API (:class:`KTRegroupAsDict`,
+:func:`regroup`, :func:`regroup_as_dict`) imports torchrec on first use.
+"""
+
+from kt_regroup import ops
+from kt_regroup.ops import (
+    backend,
+    get_plan,
+    kt_regroup_arguments,
+    permute_multi_embedding,
+    regroup_keyed_tensor,
+)
+from kt_regroup.plan import RegroupPlan
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "KTRegroupAsDict": "kt_regroup.module",
+    "regroup": "kt_regroup.functional",
+    "regroup_as_dict": "kt_regroup.functional",
+}
+
+
+def __getattr__(name: str):
+    # torchrec is imported only when its API is used: `import kt_regroup` stays light.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kt_regroup' has no attribute {name!r}")
+
+
+__all__ = [
+    "KTRegroupAsDict",
+    "RegroupPlan",
+    "__version__",
+    "backend",
+    "get_plan",
+    "kt_regroup_arguments",
+    "ops",
+    "permute_multi_embedding",
+    "regroup",
+    "regroup_as_dict",
+    "regroup_keyed_tensor",
+]

@@ -1,0 +1,288 @@
+"""``torch.ops.kt_regroup``: schemas, fake kernels, autograd and the portable kernels.
+
+The schemas are FBGEMM's, so each op is a drop-in replacement for its
+``torch.ops.fbgemm`` namesake. They are defined here, in Python, so the ops and
+their fake kernels exist even when no compiled code is loaded; compiled code
+(``kernels/cpu.py``) only adds device kernels (and, when it has them, a C++ autograd
+kernel that replaces the Python one registered here).
+
+Ops:
+
+* ``permute_multi_embedding(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes,
+  Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]``
+* ``permute_multi_embedding_backward(Tensor?[] grad_outputs, Tensor permutes,
+  Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, SymInt batch_size,
+  ScalarType dtype) -> Tensor[]`` (the backward, an op of its own so compile and
+  export see it)
+* ``kt_regroup_arguments(Tensor embs, str[][] keys, int[][] lengths, str[][] groups)
+  -> (Tensor, Tensor, Tensor, int[])``
+* ``regroup_keyed_tensor(Tensor[] pooled_embs, str[][] keys, int[][] lengths,
+  str[][] groups) -> Tensor[]``
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from kt_regroup.kernels.reference import (
+    permute_multi_embedding_backward_reference,
+    permute_multi_embedding_reference,
+)
+from kt_regroup.kernels.validation import check_metadata, check_tensor_list
+from kt_regroup.plan import PERMUTE_COLUMNS, RegroupPlan
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "kt_regroup"
+BACKEND_ENV = "KT_REGROUP_BACKEND"  # "auto" (default), "reference" or "cpp"
+
+_lib = torch.library.Library(NAMESPACE, "DEF")
+_lib.define(
+    "permute_multi_embedding(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
+    "Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]"
+)
+_lib.define(
+    "permute_multi_embedding_backward(Tensor?[] grad_outputs, Tensor permutes, "
+    "Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, SymInt batch_size, "
+    "ScalarType dtype) -> Tensor[]"
+)
+_lib.define(
+    "kt_regroup_arguments(Tensor embs, str[][] keys, int[][] lengths, str[][] groups) "
+    "-> (Tensor, Tensor, Tensor, int[])"
+)
+_lib.define(
+    "regroup_keyed_tensor(Tensor[] pooled_embs, str[][] keys, int[][] lengths, "
+    "str[][] groups) -> Tensor[]"
+)
+
+# --- portable kernels: every device; a device-specific kernel (CPU, CUDA) overrides them.
+_lib.impl("permute_multi_embedding", permute_multi_embedding_reference, "CompositeExplicitAutograd")
+_lib.impl(
+    "permute_multi_embedding_backward",
+    permute_multi_embedding_backward_reference,
+    "CompositeExplicitAutograd",
+)
+
+
+# --- fake kernels: output sizes come from the SymInt arguments, never from data.
+@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding", lib=_lib)
+def _permute_multi_embedding_fake(pooled_embs, permutes, in_shapes, out_shapes, out_lengths):
+    op = "permute_multi_embedding"
+    check_tensor_list(op, "pooled_embs", pooled_embs)
+    check_metadata(op, permutes, in_shapes, out_shapes, len(pooled_embs), out_lengths)
+    first = pooled_embs[0]
+    return [first.new_empty(first.size(0), n) for n in out_lengths]
+
+
+@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_backward", lib=_lib)
+def _permute_multi_embedding_backward_fake(
+    grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype
+):
+    op = "permute_multi_embedding_backward"
+    check_metadata(op, permutes, in_shapes, out_shapes, len(in_lengths), [0] * len(grad_outputs))
+    defined = [g for g in grad_outputs if g is not None]
+    device = defined[0].device if defined else permutes.device
+    return [torch.empty(batch_size, n, dtype=dtype, device=device) for n in in_lengths]
+
+
+# --- autograd: the backward is itself an op.
+def _setup_context(ctx, inputs, output):
+    pooled_embs, permutes, in_shapes, out_shapes, _ = inputs
+    ctx.save_for_backward(permutes, in_shapes, out_shapes)
+    ctx.in_lengths = [t.size(1) for t in pooled_embs]
+    ctx.batch_size = pooled_embs[0].size(0)
+    ctx.dtype = pooled_embs[0].dtype
+
+
+def _backward(ctx, grads):
+    permutes, in_shapes, out_shapes = ctx.saved_tensors
+    grad_inputs = torch.ops.kt_regroup.permute_multi_embedding_backward(
+        list(grads), permutes, in_shapes, out_shapes, ctx.in_lengths, ctx.batch_size, ctx.dtype
+    )
+    return grad_inputs, None, None, None, None
+
+
+# --- plan ops -----------------------------------------------------------------------------
+
+
+def _layout_key(keys, lengths, groups) -> Tuple:
+    return (
+        tuple(tuple(k) for k in keys),
+        tuple(tuple(int(w) for w in t) for t in lengths),
+        tuple(tuple(g) for g in groups),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan(layout: Tuple) -> RegroupPlan:
+    return RegroupPlan.build(*layout)
+
+
+def get_plan(
+    keys: Sequence[Sequence[str]],
+    lengths: Sequence[Sequence[int]],
+    groups: Sequence[Sequence[str]],
+) -> RegroupPlan:
+    """The :class:`RegroupPlan` of a layout, memoised (64 most recent layouts)."""
+    try:
+        layout = _layout_key(keys, lengths, groups)
+    except TypeError:  # unhashable junk in the layout: let the plan explain what is wrong
+        return RegroupPlan.build(keys, lengths, groups)
+    return _cached_plan(layout)
+
+
+_plan_tensors: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _plan_tensors_on(plan: RegroupPlan, device: torch.device):
+    # Cache real tensors only in plain eager mode; under fake/proxy modes (compile,
+    # export) they are made afresh so the tracer owns them.
+    if _get_current_dispatch_mode() is not None or torch.compiler.is_compiling():
+        return plan.tensors(device)
+    key = (id(plan), str(device))
+    hit = _plan_tensors.get(key)
+    if hit is None:
+        if len(_plan_tensors) > 256:
+            _plan_tensors.clear()
+        hit = _plan_tensors[key] = plan.tensors(device)
+    return hit
+
+
+def _kt_regroup_arguments_impl(embs, keys, lengths, groups):
+    plan = get_plan(keys, lengths, groups)
+    permutes, in_shapes, out_shapes = plan.tensors(embs.device, coalesced=False)
+    return permutes, in_shapes, out_shapes, list(plan.out_lengths)
+
+
+_lib.impl("kt_regroup_arguments", _kt_regroup_arguments_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(f"{NAMESPACE}::kt_regroup_arguments", lib=_lib)
+def _kt_regroup_arguments_fake(embs, keys, lengths, groups):
+    plan = get_plan(keys, lengths, groups)
+    dev = embs.device
+    return (
+        torch.empty(len(plan.rows), PERMUTE_COLUMNS, dtype=torch.int32, device=dev),
+        torch.empty(len(plan.in_lengths), dtype=torch.int32, device=dev),
+        torch.empty(len(plan.out_lengths), dtype=torch.int32, device=dev),
+        list(plan.out_lengths),
+    )
+
+
+def _regroup_keyed_tensor_impl(pooled_embs, keys, lengths, groups):
+    if len(pooled_embs) != len(keys):
+        raise ValueError(
+            f"kt_regroup.regroup_keyed_tensor: {len(pooled_embs)} tensors but keys for "
+            f"{len(keys)}"
+        )
+    plan = get_plan(keys, lengths, groups)
+    permutes, in_shapes, out_shapes = _plan_tensors_on(plan, pooled_embs[0].device)
+    return torch.ops.kt_regroup.permute_multi_embedding(
+        pooled_embs, permutes, in_shapes, out_shapes, plan.out_lengths
+    )
+
+
+# Composite: decomposes into permute_multi_embedding, whose autograd and kernels apply.
+_lib.impl("regroup_keyed_tensor", _regroup_keyed_tensor_impl, "CompositeImplicitAutograd")
+
+
+# --- compiled kernels -------------------------------------------------------------------------
+
+
+def requested_backend() -> str:
+    """The backend asked for by ``KT_REGROUP_BACKEND`` (``auto`` when unset)."""
+    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "reference", "cpp"):
+        raise ValueError(f"{BACKEND_ENV}={value!r}: expected one of auto, reference, cpp")
+    return value
+
+
+def _load_compiled_kernels() -> bool:
+    if requested_backend() == "reference":
+        return False
+    try:
+        from kt_regroup.kernels import cpu
+    except ImportError:  # the module is not there yet in this build
+        return False
+    return cpu.load(required=requested_backend() == "cpp")
+
+
+NATIVE_CPU = _load_compiled_kernels()
+
+
+def _has_kernel(op: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", key)
+
+
+if not _has_kernel("permute_multi_embedding", "Autograd"):
+    torch.library.register_autograd(
+        f"{NAMESPACE}::permute_multi_embedding", _backward, setup_context=_setup_context, lib=_lib
+    )
+
+
+def backend(device: torch.device | str = "cpu") -> str:
+    """Which kernel serves ``permute_multi_embedding`` on ``device``: ``cpp`` or ``reference``."""
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
+    if key is not None and _has_kernel("permute_multi_embedding", key):
+        return "cpp"
+    return "reference"
+
+
+def permute_multi_embedding(
+    pooled_embs: List[torch.Tensor],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    out_lengths: List[int],
+) -> List[torch.Tensor]:
+    """Copies column segments of ``pooled_embs`` into fresh outputs (see module docs)."""
+    return torch.ops.kt_regroup.permute_multi_embedding(
+        pooled_embs, permutes, in_shapes, out_shapes, out_lengths
+    )
+
+
+def kt_regroup_arguments(
+    embs: torch.Tensor,
+    keys: List[List[str]],
+    lengths: List[List[int]],
+    groups: List[List[str]],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
+    """``(permutes, in_shapes, out_shapes, out_lengths)`` for a layout, torchrec's format."""
+    return torch.ops.kt_regroup.kt_regroup_arguments(embs, keys, lengths, groups)
+
+
+def regroup_keyed_tensor(
+    pooled_embs: List[torch.Tensor],
+    keys: List[List[str]],
+    lengths: List[List[int]],
+    groups: List[List[str]],
+) -> List[torch.Tensor]:
+    """Regroups the column blocks of ``pooled_embs`` into one tensor per group.
+
+    Example::
+
+        >>> a, b = torch.randn(2, 5), torch.randn(2, 4)
+        >>> outs = regroup_keyed_tensor([a, b], [["x", "y"], ["z"]], [[2, 3], [4]],
+        ...                             [["z", "x"], ["y"]])
+        >>> [o.shape[1] for o in outs]
+        [6, 3]
+    """
+    return torch.ops.kt_regroup.regroup_keyed_tensor(pooled_embs, keys, lengths, groups)
+
+
+__all__ = [
+    "BACKEND_ENV",
+    "NATIVE_CPU",
+    "backend",
+    "get_plan",
+    "kt_regroup_arguments",
+    "permute_multi_embedding",
+    "regroup_keyed_tensor",
+    "requested_backend",
+]
