@@ -1,0 +1,164 @@
+"""Shared layouts, inputs and oracles for the kt_regroup tests.
+
+A *layout* is ``(keys, lengths, groups)``: the keys and widths of each input tensor
+and the keys each output group wants. The random layouts here always use odd widths
+(1, 3, 7, 127), duplicate some keys across and inside groups and leave some keys
+unused, because those are the cases regroup kernels get wrong.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import List, NamedTuple, Optional, Sequence
+
+import pytest
+import torch
+
+import kt_regroup  # noqa: F401  (registers torch.ops.kt_regroup)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+# Dtypes FBGEMM's permute_multi_embedding accepts (it has no float64 kernel).
+FBGEMM_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+WIDTHS = (1, 3, 7, 127)
+BATCHES = (0, 1, 5)
+
+
+class Layout(NamedTuple):
+    keys: List[List[str]]
+    lengths: List[List[int]]
+    groups: List[List[str]]
+
+    @property
+    def in_widths(self) -> List[int]:
+        return [sum(t) for t in self.lengths]
+
+    def used_keys(self) -> set:
+        return {k for g in self.groups for k in g}
+
+
+def random_layout(
+    seed: int,
+    n_inputs: int = 3,
+    keys_per_input: Sequence[int] = (1, 4),
+    n_groups: int = 3,
+    widths: Sequence[int] = WIDTHS,
+) -> Layout:
+    """A seeded layout with duplicated keys (across and inside groups) and unused keys."""
+    rng = random.Random(seed)
+    keys: List[List[str]] = []
+    lengths: List[List[int]] = []
+    all_keys: List[str] = []
+    for t in range(n_inputs):
+        n = rng.randint(*keys_per_input)
+        tkeys = [f"f{t}_{i}" for i in range(n)]
+        keys.append(tkeys)
+        lengths.append([rng.choice(widths) for _ in tkeys])
+        all_keys += tkeys
+    n_skip = max(1, len(all_keys) // 4) if len(all_keys) > 1 else 0
+    skipped = set(rng.sample(all_keys, n_skip))
+    usable = [k for k in all_keys if k not in skipped]
+    rng.shuffle(usable)
+    groups: List[List[str]] = [[] for _ in range(n_groups)]
+    for i, k in enumerate(usable):  # every usable key lands in some group
+        groups[i % n_groups].append(k)
+    dup = rng.choice(usable)
+    groups[0].append(dup)  # a key used twice in one group ...
+    groups[0].append(dup)
+    groups[-1].insert(0, rng.choice(usable))  # ... and one shared by two groups
+    for g in groups:
+        rng.shuffle(g)
+    return Layout(keys, lengths, groups)
+
+
+# A fixed, hand-checked layout: 'b' unused, 'c' used three times, 'e' width 127.
+SMALL_LAYOUT = Layout(
+    keys=[["a", "b"], ["c", "d", "e"]],
+    lengths=[[3, 7], [1, 3, 127]],
+    groups=[["c", "a", "c"], ["e", "d", "a"], ["c"]],
+)
+
+SEEDS = (0, 1, 2, 3)
+
+
+def make_values(
+    layout: Layout,
+    batch: int,
+    dtype: torch.dtype = torch.float32,
+    noncontiguous: bool = False,
+    seed: int = 0,
+    requires_grad: bool = False,
+) -> List[torch.Tensor]:
+    """One ``[batch, width]`` tensor per input; optionally a strided (non-contiguous) view."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for w in layout.in_widths:
+        if noncontiguous:
+            # A column slice of a wider buffer, transposed storage: strides (1, batch + 2).
+            base = torch.randn(w + 3, batch + 2, generator=gen, dtype=torch.float64).to(dtype)
+            t = base.t()[1 : 1 + batch, 2 : 2 + w]
+            assert not t.is_contiguous() or min(t.shape) <= 1
+        else:
+            t = torch.randn(batch, w, generator=gen, dtype=torch.float64).to(dtype)
+        out.append(t.requires_grad_(requires_grad))
+    return out
+
+
+def expected_regroup(values: Sequence[torch.Tensor], layout: Layout) -> List[torch.Tensor]:
+    """The obvious oracle: slice every key's block and ``torch.cat`` each group."""
+    where = {}
+    for t, (tkeys, tlens) in enumerate(zip(layout.keys, layout.lengths)):
+        off = 0
+        for k, w in zip(tkeys, tlens):
+            where[k] = (t, off, w)
+            off += w
+    outs = []
+    batch, dtype = values[0].size(0), values[0].dtype
+    for group in layout.groups:
+        blocks = [values[where[k][0]][:, where[k][1] : where[k][1] + where[k][2]] for k in group]
+        outs.append(torch.cat(blocks, dim=1) if blocks else torch.empty(batch, 0, dtype=dtype))
+    return [o.detach().clone() for o in outs]
+
+
+def keyed_tensors(layout: Layout, values: Sequence[torch.Tensor]):
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    return [
+        KeyedTensor(keys=list(k), length_per_key=list(lens), values=v)
+        for k, lens, v in zip(layout.keys, layout.lengths, values)
+    ]
+
+
+def assert_same_list(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:
+    assert len(actual) == len(expected), (len(actual), len(expected))
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        # Regrouping only copies: results must be bit-exact, dtype included.
+        torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m, i=i: f"output {i}: {m}")
+
+
+def assert_no_alias(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    for o in outputs:
+        if o.numel() == 0:
+            continue
+        for t in inputs:
+            if t.numel() == 0:
+                continue
+            assert o.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), (
+                "an output shares storage with an input"
+            )
+
+
+def has_fbgemm_permute() -> bool:
+    try:
+        import fbgemm_gpu  # noqa: F401
+    except Exception:
+        return False
+    return hasattr(torch.ops.fbgemm, "permute_multi_embedding")
+
+
+needs_fbgemm = pytest.mark.skipif(
+    not has_fbgemm_permute(), reason="torch.ops.fbgemm.permute_multi_embedding is not available"
+)
+
+
+def clone_all(tensors: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    return [None if t is None else t.detach().clone() for t in tensors]
