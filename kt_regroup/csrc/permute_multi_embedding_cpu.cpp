@@ -1,0 +1,594 @@
+// CPU kernels of torch.ops.kt_regroup.permute_multi_embedding{,_backward}.
+//
+// Forward is a row-major byte copy: for each batch row (rows split across threads),
+// copy every coalesced segment with memcpy, so each output row is written
+// sequentially. Backward makes one pass per input-gradient row: the first
+// contribution to a column block is copied, later ones (duplicated keys) are added,
+// and only the columns no key covers are zeroed.
+//
+// Validation mirrors kernels/validation.py word for word (ValueError / TypeError in
+// Python) and runs before any data is touched, so no input the op accepts can make
+// the kernel read or write out of bounds.
+
+#include "permute_multi_embedding.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/headeronly/version.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <sstream>
+#include <utility>
+
+namespace kt_regroup {
+
+constexpr int64_t kPermuteColumns = 6;
+// Rows are handed to threads in chunks of about this many bytes: small batches run
+// inline (a thread hand-off costs more than copying a few KiB).
+constexpr int64_t kGrainBytes = 64 * 1024;
+
+std::string py_dtype(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    case at::kComplexHalf: return "torch.complex32";
+    default: {
+      std::string name = c10::toString(t);
+      std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) {
+        return static_cast<char>(std::tolower(c));
+      });
+      return "torch." + name;
+    }
+  }
+}
+
+std::string py_shape(c10::IntArrayRef shape) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s << ", ";
+    s << shape[i];
+  }
+  if (shape.size() == 1) s << ",";
+  s << ")";
+  return s.str();
+}
+
+namespace {
+
+// a + b as Python would print it (b >= 0; no int64 overflow in the message).
+std::string py_sum(int64_t a, int64_t b) {
+  if (a < 0) return std::to_string(a + b);
+  return std::to_string(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
+}
+
+// Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None.
+using TensorPtrs = std::vector<const at::Tensor*>;
+
+void check_tensor_list(const char* op, const char* name, const TensorPtrs& tensors) {
+  int64_t i0 = -1;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i] != nullptr) {
+      i0 = static_cast<int64_t>(i);
+      break;
+    }
+  }
+  TORCH_CHECK_VALUE(i0 >= 0, "kt_regroup.", op, ": ", name, " is empty");
+  const at::Tensor& first = *tensors[i0];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i] == nullptr) continue;
+    const at::Tensor& t = *tensors[i];
+    TORCH_CHECK_VALUE(
+        t.dim() == 2, "kt_regroup.", op, ": ", name, "[", i,
+        "] must be 2-D [batch, width], got shape ", py_shape(t.sizes()));
+    TORCH_CHECK_VALUE(
+        t.device() == first.device(), "kt_regroup.", op, ": ", name, "[", i, "] is on ",
+        t.device().str(), " but ", name, "[", i0, "] is on ", first.device().str(),
+        "; all must be on one device");
+    TORCH_CHECK_TYPE(
+        t.scalar_type() == first.scalar_type(), "kt_regroup.", op, ": ", name, "[", i,
+        "] is ", py_dtype(t.scalar_type()), " but ", name, "[", i0, "] is ",
+        py_dtype(first.scalar_type()), "; all must have one dtype");
+    TORCH_CHECK_VALUE(
+        t.size(0) == first.size(0), "kt_regroup.", op, ": ", name, "[", i,
+        "] has batch size ", t.size(0), " but ", name, "[", i0, "] has ", first.size(0),
+        "; all must have the same batch size");
+  }
+}
+
+void check_metadata(
+    const char* op,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    int64_t n_in,
+    c10::IntArrayRef out_lengths) {
+  TORCH_CHECK_VALUE(
+      permutes.dim() == 2 && permutes.size(1) == kPermuteColumns, "kt_regroup.", op,
+      ": permutes must have shape [n, ", kPermuteColumns,
+      "] (in_tensor, out_tensor, in_offset, out_offset, length, next), got ",
+      py_shape(permutes.sizes()));
+  const std::pair<const char*, const at::Tensor*> named[] = {
+      {"permutes", &permutes}, {"in_shapes", &in_shapes}, {"out_shapes", &out_shapes}};
+  for (const auto& [name, t] : named) {
+    TORCH_CHECK_TYPE(
+        t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "kt_regroup.", op,
+        ": ", name, " must be int32 or int64, got ", py_dtype(t->scalar_type()));
+    // The CPU kernel reads the metadata on the host.
+    TORCH_CHECK_VALUE(
+        t->device().is_cpu(), "kt_regroup.", op, ": ", name,
+        " must be on the CPU for the CPU kernel, got ", t->device().str());
+  }
+  TORCH_CHECK_VALUE(
+      in_shapes.dim() == 1 && in_shapes.numel() == n_in, "kt_regroup.", op,
+      ": in_shapes must have one entry per input tensor (", n_in, "), got shape ",
+      py_shape(in_shapes.sizes()));
+  TORCH_CHECK_VALUE(
+      out_shapes.dim() == 1 && out_shapes.numel() == static_cast<int64_t>(out_lengths.size()),
+      "kt_regroup.", op, ": out_shapes must have one entry per output (", out_lengths.size(),
+      " out_lengths), got shape ", py_shape(out_shapes.sizes()));
+  for (size_t j = 0; j < out_lengths.size(); ++j) {
+    TORCH_CHECK_VALUE(
+        out_lengths[j] >= 0, "kt_regroup.", op, ": out_lengths[", j, "] is negative (",
+        out_lengths[j], ")");
+  }
+}
+
+// Reads an int32/int64 metadata tensor of any strides as int64.
+template <typename index_t>
+std::vector<int64_t> read_1d(const at::Tensor& t) {
+  const index_t* p = t.const_data_ptr<index_t>();
+  const int64_t n = t.numel(), s = n ? t.stride(0) : 1;
+  std::vector<int64_t> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<int64_t>(p[i * s]);
+  return v;
+}
+
+std::vector<int64_t> read_1d(const at::Tensor& t) {
+  return t.scalar_type() == at::kInt ? read_1d<int32_t>(t) : read_1d<int64_t>(t);
+}
+
+// check_rows of validation.py, fused with the coalescing of plan.coalesce_rows.
+template <typename index_t>
+std::vector<Segment> check_rows_typed(
+    const char* op,
+    const at::Tensor& permutes,
+    const std::vector<int64_t>& in_widths,
+    const std::vector<int64_t>& out_widths) {
+  const index_t* p = permutes.const_data_ptr<index_t>();
+  const int64_t n = permutes.size(0);
+  const int64_t s0 = permutes.stride(0), s1 = permutes.stride(1);
+  const int64_t n_in = static_cast<int64_t>(in_widths.size());
+  const int64_t n_out = static_cast<int64_t>(out_widths.size());
+  std::vector<Segment> segments;
+  segments.reserve(n);
+  for (int64_t r = 0; r < n; ++r) {
+    const index_t* row = p + r * s0;
+    const int64_t in_t = row[0], out_t = row[s1], in_off = row[2 * s1],
+                  out_off = row[3 * s1], length = row[4 * s1];
+    TORCH_CHECK_VALUE(
+        in_t >= 0 && in_t < n_in, "kt_regroup.", op, ": permutes[", r,
+        "] in_tensor=", in_t, " is out of range [0, ", n_in, ")");
+    TORCH_CHECK_VALUE(
+        out_t >= 0 && out_t < n_out, "kt_regroup.", op, ": permutes[", r,
+        "] out_tensor=", out_t, " is out of range [0, ", n_out, ")");
+    TORCH_CHECK_VALUE(
+        length >= 0, "kt_regroup.", op, ": permutes[", r, "] has negative length ", length);
+    // Written as differences so that no int64 sum can overflow.
+    TORCH_CHECK_VALUE(
+        in_off >= 0 && length <= in_widths[in_t] - in_off, "kt_regroup.", op, ": permutes[",
+        r, "] reads columns [", in_off, ", ", py_sum(in_off, length), ") of input ", in_t,
+        ", which has ", in_widths[in_t], " columns");
+    TORCH_CHECK_VALUE(
+        out_off >= 0 && length <= out_widths[out_t] - out_off, "kt_regroup.", op,
+        ": permutes[", r, "] writes columns [", out_off, ", ", py_sum(out_off, length),
+        ") of output ", out_t, ", which has ", out_widths[out_t], " columns");
+    if (length == 0) continue;
+    if (!segments.empty()) {
+      Segment& last = segments.back();
+      if (last.in_t == in_t && last.out_t == out_t && last.in_off + last.length == in_off &&
+          last.out_off + last.length == out_off) {
+        last.length += length;
+        continue;
+      }
+    }
+    segments.push_back(Segment{in_t, out_t, in_off, out_off, length});
+  }
+  return segments;
+}
+
+std::vector<Segment> check_rows(
+    const char* op,
+    const at::Tensor& permutes,
+    const std::vector<int64_t>& in_widths,
+    const std::vector<int64_t>& out_widths) {
+  return permutes.scalar_type() == at::kInt
+      ? check_rows_typed<int32_t>(op, permutes, in_widths, out_widths)
+      : check_rows_typed<int64_t>(op, permutes, in_widths, out_widths);
+}
+
+// A tensor whose rows can be read with memcpy: unit column stride, no lazy conj/neg.
+at::Tensor rows_readable(const at::Tensor& t) {
+  at::Tensor r = t;
+  if (r.is_conj()) r = r.resolve_conj();
+  if (r.is_neg()) r = r.resolve_neg();
+  if (r.size(1) > 1 && r.stride(1) != 1) r = r.contiguous();
+  return r;
+}
+
+int64_t grain_rows(int64_t bytes_per_row) {
+  return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, bytes_per_row));
+}
+
+}  // namespace
+
+std::vector<Segment> check_forward(
+    const char* op,
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths) {
+  TensorPtrs ptrs;
+  ptrs.reserve(pooled_embs.size());
+  for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
+  check_tensor_list(op, "pooled_embs", ptrs);
+  const int64_t n_in = static_cast<int64_t>(pooled_embs.size());
+  check_metadata(op, permutes, in_shapes, out_shapes, n_in, out_lengths);
+  std::vector<int64_t> in_widths(n_in);
+  const std::vector<int64_t> in_declared = read_1d(in_shapes);
+  for (int64_t i = 0; i < n_in; ++i) {
+    in_widths[i] = pooled_embs[i].size(1);
+    TORCH_CHECK_VALUE(
+        in_widths[i] == in_declared[i], "kt_regroup.", op, ": in_shapes[", i, "]=",
+        in_declared[i], " but pooled_embs[", i, "] has ", in_widths[i], " columns");
+  }
+  const std::vector<int64_t> out_declared = read_1d(out_shapes);
+  std::vector<int64_t> out_widths(out_lengths.begin(), out_lengths.end());
+  for (size_t j = 0; j < out_widths.size(); ++j) {
+    TORCH_CHECK_VALUE(
+        out_widths[j] == out_declared[j], "kt_regroup.", op, ": out_shapes[", j, "]=",
+        out_declared[j], " but out_lengths[", j, "]=", out_widths[j]);
+  }
+  return check_rows(op, permutes, in_widths, out_widths);
+}
+
+bool segments_tile_outputs(const std::vector<Segment>& segments, c10::IntArrayRef out_lengths) {
+  // Cheap sufficient test: per output, segments arrive in increasing, gap-free order.
+  std::vector<int64_t> next(out_lengths.size(), 0);
+  for (const Segment& s : segments) {
+    if (s.out_off != next[s.out_t]) return false;
+    next[s.out_t] += s.length;
+  }
+  for (size_t j = 0; j < out_lengths.size(); ++j) {
+    if (next[j] != out_lengths[j]) return false;
+  }
+  return true;
+}
+
+void permute_forward_into(
+    at::TensorList pooled_embs,
+    const std::vector<Segment>& segments,
+    at::TensorList outs) {
+  const int64_t batch = pooled_embs[0].size(0);
+  if (batch == 0 || segments.empty()) return;
+  const int64_t es = pooled_embs[0].element_size();
+
+  std::vector<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
+  for (at::Tensor& t : inputs) t = rows_readable(t);
+
+  struct Copy {
+    const char* src;
+    int64_t src_stride;
+    char* dst;
+    int64_t dst_stride;
+    int64_t nbytes;
+  };
+  std::vector<Copy> copies;
+  copies.reserve(segments.size());
+  int64_t bytes_per_row = 0;
+  for (const Segment& s : segments) {
+    const at::Tensor& in = inputs[s.in_t];
+    const at::Tensor& out = outs[s.out_t];
+    Copy c;
+    c.src = static_cast<const char*>(in.const_data_ptr()) + s.in_off * es;
+    c.src_stride = in.stride(0) * es;
+    c.dst = static_cast<char*>(out.data_ptr()) + s.out_off * es;
+    c.dst_stride = out.stride(0) * es;
+    c.nbytes = s.length * es;
+    bytes_per_row += c.nbytes;
+    copies.push_back(c);
+  }
+  const Copy* cs = copies.data();
+  const size_t n = copies.size();
+  at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (size_t k = 0; k < n; ++k) {
+        const Copy& c = cs[k];
+        std::memcpy(c.dst + b * c.dst_stride, c.src + b * c.src_stride, c.nbytes);
+      }
+    }
+  });
+}
+
+namespace {
+
+std::vector<at::Tensor> permute_multi_embedding_cpu(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths) {
+  const std::vector<Segment> segments = check_forward(
+      "permute_multi_embedding", pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  const at::Tensor& first = pooled_embs[0];
+  const int64_t batch = first.size(0);
+  // Every column written exactly once: skip the zero fill.
+  const bool tiled = segments_tile_outputs(segments, out_lengths);
+  const auto options = first.options();
+  std::vector<at::Tensor> outs;
+  outs.reserve(out_lengths.size());
+  for (int64_t n : out_lengths) {
+    outs.push_back(tiled ? at::empty({batch, n}, options) : at::zeros({batch, n}, options));
+  }
+  permute_forward_into(pooled_embs, segments, outs);
+  return outs;
+}
+
+// ---- backward -------------------------------------------------------------------------
+
+// The portable algorithm (zeros, then += per segment in order, half types accumulated
+// in float32): for gradient dtypes the fast path does not cover.
+std::vector<at::Tensor> backward_generic(
+    const TensorPtrs& grads,
+    const std::vector<Segment>& segments,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size,
+    c10::ScalarType dtype,
+    c10::Device device) {
+  const bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
+  const auto options = at::TensorOptions().dtype(reduced ? at::kFloat : dtype).device(device);
+  std::vector<at::Tensor> out;
+  out.reserve(in_lengths.size());
+  for (int64_t n : in_lengths) out.push_back(at::zeros({batch_size, n}, options));
+  for (const Segment& s : segments) {
+    const at::Tensor* g = grads[s.out_t];
+    if (g == nullptr) continue;
+    out[s.in_t].narrow(1, s.in_off, s.length).add_(g->narrow(1, s.out_off, s.length));
+  }
+  if (reduced) {
+    for (at::Tensor& t : out) t = t.to(dtype);
+  }
+  return out;
+}
+
+// One column block of an input-gradient row and where its values come from.
+struct GradBlock {
+  char* dst;
+  int64_t dst_stride;
+  int64_t numel;
+  int64_t first;  // index of its first source in `sources`
+  int64_t count;  // 0: zeros; 1: copy; more: sum in row order
+};
+struct GradSource {
+  const char* src;
+  int64_t src_stride;
+};
+
+template <typename scalar_t>
+void backward_rows(
+    int64_t batch,
+    const std::vector<GradBlock>& blocks,
+    const std::vector<GradSource>& sources,
+    int64_t bytes_per_row) {
+  constexpr bool kReduced =
+      std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>;
+  int64_t widest_sum = 0;
+  for (const GradBlock& g : blocks) {
+    if (g.count > 1) widest_sum = std::max(widest_sum, g.numel);
+  }
+  at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(kReduced ? widest_sum : 0);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (const GradBlock& g : blocks) {
+        char* dst = g.dst + b * g.dst_stride;
+        const int64_t nbytes = g.numel * static_cast<int64_t>(sizeof(scalar_t));
+        if (g.count == 0) {
+          std::memset(dst, 0, nbytes);
+          continue;
+        }
+        const GradSource* src = sources.data() + g.first;
+        if (g.count == 1) {
+          std::memcpy(dst, src[0].src + b * src[0].src_stride, nbytes);
+          continue;
+        }
+        scalar_t* d = reinterpret_cast<scalar_t*>(dst);
+        if constexpr (kReduced) {
+          // float32 accumulation in row order, rounded once: what the reference does.
+          float* a = acc.data();
+          const scalar_t* s0 = reinterpret_cast<const scalar_t*>(src[0].src + b * src[0].src_stride);
+          for (int64_t c = 0; c < g.numel; ++c) a[c] = static_cast<float>(s0[c]);
+          for (int64_t k = 1; k < g.count; ++k) {
+            const scalar_t* s = reinterpret_cast<const scalar_t*>(src[k].src + b * src[k].src_stride);
+            for (int64_t c = 0; c < g.numel; ++c) a[c] += static_cast<float>(s[c]);
+          }
+          for (int64_t c = 0; c < g.numel; ++c) d[c] = static_cast<scalar_t>(a[c]);
+        } else {
+          std::memcpy(dst, src[0].src + b * src[0].src_stride, nbytes);
+          for (int64_t k = 1; k < g.count; ++k) {
+            const scalar_t* s = reinterpret_cast<const scalar_t*>(src[k].src + b * src[k].src_stride);
+            for (int64_t c = 0; c < g.numel; ++c) d[c] += s[c];
+          }
+        }
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
+    const c10::List<std::optional<at::Tensor>>& grad_outputs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size,
+    c10::ScalarType dtype) {
+  const char* op = "permute_multi_embedding_backward";
+  // Keep the optionals alive while we hold raw pointers into them.
+  std::vector<std::optional<at::Tensor>> held(grad_outputs.begin(), grad_outputs.end());
+  TensorPtrs grads(held.size(), nullptr);
+  bool any_defined = false;
+  for (size_t j = 0; j < held.size(); ++j) {
+    if (held[j].has_value() && held[j]->defined()) {
+      grads[j] = &*held[j];
+      any_defined = true;
+    }
+  }
+  if (any_defined) check_tensor_list(op, "grad_outputs", grads);
+  const int64_t n_in = static_cast<int64_t>(in_lengths.size());
+  const std::vector<int64_t> zeros(grads.size(), 0);
+  check_metadata(op, permutes, in_shapes, out_shapes, n_in, zeros);
+  const std::vector<int64_t> out_widths = read_1d(out_shapes);
+  for (size_t j = 0; j < grads.size(); ++j) {
+    if (grads[j] == nullptr) continue;
+    const at::Tensor& g = *grads[j];
+    TORCH_CHECK_VALUE(
+        g.size(0) == batch_size && g.size(1) == out_widths[j], "kt_regroup.", op,
+        ": grad_outputs[", j, "] has shape ", py_shape(g.sizes()), ", expected (",
+        batch_size, ", ", out_widths[j], ")");
+  }
+  const std::vector<int64_t> in_declared = read_1d(in_shapes);
+  std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
+  for (int64_t i = 0; i < n_in; ++i) {
+    TORCH_CHECK_VALUE(
+        in_widths[i] == in_declared[i], "kt_regroup.", op, ": in_shapes[", i, "]=",
+        in_declared[i], " but in_lengths[", i, "]=", in_widths[i]);
+  }
+  std::vector<Segment> segments = check_rows(op, permutes, in_widths, out_widths);
+
+  c10::Device device = permutes.device();
+  for (const at::Tensor* g : grads) {
+    if (g) {
+      device = g->device();
+      break;
+    }
+  }
+  bool fast = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+      dtype == at::kBFloat16 || c10::isIntegralType(dtype, /*includeBool=*/false);
+  for (const at::Tensor* g : grads) {
+    if (g && g->scalar_type() != dtype) fast = false;
+  }
+  if (!fast) return backward_generic(grads, segments, in_lengths, batch_size, dtype, device);
+
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  std::vector<at::Tensor> out;
+  out.reserve(n_in);
+  for (int64_t i = 0; i < n_in; ++i) out.push_back(at::empty({batch_size, in_widths[i]}, options));
+  if (batch_size == 0) return out;
+
+  std::vector<at::Tensor> readable(grads.size());
+  for (size_t j = 0; j < grads.size(); ++j) {
+    if (grads[j]) readable[j] = rows_readable(*grads[j]);
+  }
+  const int64_t es = c10::elementSize(dtype);
+
+  // Per input: cut its columns at every segment boundary, list each piece's sources in
+  // row order, then merge neighbouring pieces whose sources continue contiguously.
+  std::vector<GradBlock> blocks;
+  std::vector<GradSource> sources;
+  int64_t bytes_per_row = 0;
+  std::vector<std::vector<const Segment*>> by_input(n_in);
+  for (const Segment& s : segments) {
+    if (grads[s.out_t] != nullptr) by_input[s.in_t].push_back(&s);
+  }
+  struct Piece {
+    int64_t out_t;
+    int64_t out_off;
+  };
+  for (int64_t i = 0; i < n_in; ++i) {
+    const int64_t width = in_widths[i];
+    if (width == 0) continue;
+    bytes_per_row += width * es;
+    char* base = static_cast<char*>(out[i].data_ptr());
+    const int64_t dst_stride = out[i].stride(0) * es;
+    const auto& segs = by_input[i];
+    std::vector<int64_t> cuts{0, width};
+    for (const Segment* s : segs) {
+      cuts.push_back(s->in_off);
+      cuts.push_back(s->in_off + s->length);
+    }
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    const size_t n_pieces = cuts.size() - 1;
+    std::vector<std::vector<Piece>> pieces(n_pieces);
+    for (const Segment* s : segs) {
+      size_t k = std::lower_bound(cuts.begin(), cuts.end(), s->in_off) - cuts.begin();
+      for (; k < n_pieces && cuts[k] < s->in_off + s->length; ++k) {
+        pieces[k].push_back(Piece{s->out_t, s->out_off + (cuts[k] - s->in_off)});
+      }
+    }
+    size_t k = 0;
+    while (k < n_pieces) {
+      size_t end = k + 1;
+      while (end < n_pieces && pieces[end].size() == pieces[k].size()) {
+        const auto& prev = pieces[end - 1];
+        const auto& cur = pieces[end];
+        const int64_t prev_len = cuts[end] - cuts[end - 1];
+        bool continues = true;
+        for (size_t j = 0; j < cur.size() && continues; ++j) {
+          continues = cur[j].out_t == prev[j].out_t && cur[j].out_off == prev[j].out_off + prev_len;
+        }
+        if (!continues) break;
+        ++end;
+      }
+      GradBlock g;
+      g.dst = base + cuts[k] * es;
+      g.dst_stride = dst_stride;
+      g.numel = cuts[end] - cuts[k];
+      g.first = static_cast<int64_t>(sources.size());
+      g.count = static_cast<int64_t>(pieces[k].size());
+      for (const Piece& p : pieces[k]) {
+        const at::Tensor& src = readable[p.out_t];
+        sources.push_back(GradSource{
+            static_cast<const char*>(src.const_data_ptr()) + p.out_off * es,
+            src.stride(0) * es});
+      }
+      blocks.push_back(g);
+      k = end;
+    }
+  }
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
+    backward_rows<scalar_t>(batch_size, blocks, sources, bytes_per_row);
+  });
+  return out;
+}
+
+}  // namespace
+
+}  // namespace kt_regroup
+
+// The torch version this extension was compiled against (read by kernels/cpu.py).
+extern "C" const char* kt_regroup_built_with_torch() {
+  return TORCH_VERSION;
+}
+
+TORCH_LIBRARY_IMPL(kt_regroup, CPU, m) {
+  m.impl("permute_multi_embedding", TORCH_FN(kt_regroup::permute_multi_embedding_cpu));
+  m.impl(
+      "permute_multi_embedding_backward",
+      TORCH_FN(kt_regroup::permute_multi_embedding_backward_cpu));
+}
