@@ -71,12 +71,26 @@ _lib.impl(
 
 
 # --- fake kernels: output sizes come from the SymInt arguments, never from data.
+def _check_not_meta_only(op, metadata, name, data):
+    # Metadata on "meta" next to real data would dispatch here, to the fake kernel, and
+    # return uninitialised real tensors: refuse it.
+    if data.device.type == "meta":
+        return
+    for meta_name, t in zip(("permutes", "in_shapes", "out_shapes"), metadata):
+        if t.device.type == "meta":
+            raise ValueError(
+                f"kt_regroup.{op}: {meta_name} is on meta but {name} is on {data.device}; "
+                "metadata and data must be on real devices together"
+            )
+
+
 @torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding", lib=_lib)
 def _permute_multi_embedding_fake(pooled_embs, permutes, in_shapes, out_shapes, out_lengths):
     op = "permute_multi_embedding"
     check_tensor_list(op, "pooled_embs", pooled_embs)
     check_metadata(op, permutes, in_shapes, out_shapes, len(pooled_embs), out_lengths)
     first = pooled_embs[0]
+    _check_not_meta_only(op, (permutes, in_shapes, out_shapes), "pooled_embs[0]", first)
     return [first.new_empty(first.size(0), n) for n in out_lengths]
 
 
@@ -87,6 +101,9 @@ def _permute_multi_embedding_backward_fake(
     op = "permute_multi_embedding_backward"
     check_metadata(op, permutes, in_shapes, out_shapes, len(in_lengths), [0] * len(grad_outputs))
     defined = [g for g in grad_outputs if g is not None]
+    if defined:
+        j = next(j for j, g in enumerate(grad_outputs) if g is not None)
+        _check_not_meta_only(op, (permutes, in_shapes, out_shapes), f"grad_outputs[{j}]", defined[0])
     device = defined[0].device if defined else permutes.device
     return [torch.empty(batch_size, n, dtype=dtype, device=device) for n in in_lengths]
 
