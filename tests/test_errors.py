@@ -1,0 +1,276 @@
+"""Every bad input raises a clear error that names the culprit; nothing reads out of bounds.
+
+Each bad-permutes case runs through the dispatched op (whichever kernel serves CPU),
+the portable reference kernel, and, where the check needs no data, the fake kernel.
+"""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torchrec.sparse.jagged_tensor import KeyedTensor
+
+import kt_regroup
+from kt_regroup.kernels.reference import (
+    permute_multi_embedding_backward_reference,
+    permute_multi_embedding_reference,
+)
+from kt_regroup.plan import RegroupPlan
+
+I32 = torch.int32
+
+
+def _meta(in_widths, out_widths):
+    return torch.tensor(in_widths, dtype=I32), torch.tensor(out_widths, dtype=I32)
+
+
+def _kernels():
+    return [
+        pytest.param(torch.ops.kt_regroup.permute_multi_embedding, id="op"),
+        pytest.param(permute_multi_embedding_reference, id="reference"),
+    ]
+
+
+# --- layout errors (plan, functional, module) ----------------------------------------
+
+
+def _kt(keys, widths, batch=2, dtype=torch.float32):
+    return KeyedTensor(keys=keys, length_per_key=widths, values=torch.randn(batch, sum(widths), dtype=dtype))
+
+
+MISSING = r"group 1 asks for key 'zz'.*none of the 2 inputs.*looked in: input 0: \['a', 'b'\]; input 1: \['c'\]"
+
+
+def test_missing_key_plan():
+    with pytest.raises(KeyError, match=MISSING):
+        RegroupPlan.build([["a", "b"], ["c"]], [[1, 2], [3]], [["a"], ["c", "zz"]])
+
+
+def test_missing_key_every_surface():
+    kts = [_kt(["a", "b"], [1, 2]), _kt(["c"], [3])]
+    groups = [["a"], ["c", "zz"]]
+    with pytest.raises(KeyError, match=MISSING):
+        kt_regroup.regroup(kts, groups)
+    with pytest.raises(KeyError, match=MISSING):
+        kt_regroup.regroup_as_dict(kts, groups, ["x", "y"])
+    with pytest.raises(KeyError, match=MISSING):
+        kt_regroup.KTRegroupAsDict(groups, ["x", "y"])(kts)
+    with pytest.raises(KeyError, match=MISSING):
+        kt_regroup.regroup_keyed_tensor([kt.values() for kt in kts], [["a", "b"], ["c"]], [[1, 2], [3]], groups)
+    with pytest.raises(KeyError, match=MISSING):
+        kt_regroup.kt_regroup_arguments(torch.empty(0), [["a", "b"], ["c"]], [[1, 2], [3]], groups)
+
+
+def test_missing_key_preview_is_bounded_for_many_keys():
+    keys = [f"k{i}" for i in range(1000)]
+    with pytest.raises(KeyError, match=r"'nope'.*'k0', 'k1'.*\.\.\. \(1000 keys\)") as info:
+        RegroupPlan.build([keys], [[1] * 1000], [["nope"]])
+    assert len(str(info.value)) < 400
+
+
+def test_missing_key_in_key_dim_fallback():
+    kt = KeyedTensor(keys=["a"], length_per_key=[2], values=torch.randn(2, 3), key_dim=0)
+    with pytest.raises(KeyError, match=r"asks for key 'b'"):
+        kt_regroup.regroup([kt], [["b"]])
+
+
+def test_key_in_two_inputs_is_ambiguous():
+    kts = [_kt(["a", "b"], [1, 2]), _kt(["c", "b"], [3, 2])]
+    match = r"key 'b' appears in input 0 and input 1.*ambiguous"
+    with pytest.raises(ValueError, match=match):
+        RegroupPlan.build([["a", "b"], ["c", "b"]], [[1, 2], [3, 2]], [["a"]])
+    with pytest.raises(ValueError, match=match):
+        kt_regroup.regroup(kts, [["a"]])
+    with pytest.raises(ValueError, match=match):
+        kt_regroup.KTRegroupAsDict([["a"]], ["x"])(kts)
+
+
+def test_key_twice_in_one_input_is_ambiguous():
+    with pytest.raises(ValueError, match=r"key 'a' appears in input 0 and input 0"):
+        RegroupPlan.build([["a", "a"]], [[1, 2]], [["a"]])
+
+
+def test_non_string_key():
+    with pytest.raises(TypeError, match=r"key 7 of input 1 is a int, keys must be str"):
+        RegroupPlan.build([["a"], ["b", 7]], [[1], [2, 3]], [["a"]])
+    with pytest.raises(TypeError, match=r"group 0 names 7, a int"):
+        RegroupPlan.build([["a"]], [[1]], [["a", 7]])
+    kt = KeyedTensor(keys=["a", 7], length_per_key=[1, 2], values=torch.randn(2, 3))
+    with pytest.raises(TypeError, match=r"key 7 of input 0 is a int"):
+        kt_regroup.KTRegroupAsDict([["a"]], ["x"])([kt])
+    # The op schema itself refuses it, showing the offending value.
+    with pytest.raises(RuntimeError, match=r"(?s)List\[List\[str\]\]' for argument 'keys'.*\[\['a', 7\]\]"):
+        kt_regroup.regroup([kt], [["a"]])
+
+
+def test_negative_width_in_layout():
+    with pytest.raises(ValueError, match=r"key 'b' of input 0 has negative width -2"):
+        RegroupPlan.build([["a", "b"]], [[1, -2]], [["a"]])
+
+
+def test_keys_lengths_mismatch():
+    with pytest.raises(ValueError, match=r"input 0 has 2 keys but 1 lengths"):
+        RegroupPlan.build([["a", "b"]], [[1]], [["a"]])
+    with pytest.raises(ValueError, match=r"keys for 2 tensors but lengths for 1"):
+        RegroupPlan.build([["a"], ["b"]], [[1]], [["a"]])
+    with pytest.raises(ValueError, match=r"2 tensors but keys for 1"):
+        kt_regroup.regroup_keyed_tensor([torch.ones(2, 1), torch.ones(2, 1)], [["a"]], [[1]], [["a"]])
+
+
+def test_different_batch_sizes():
+    kts = [_kt(["a"], [2], batch=4), _kt(["b"], [3], batch=3)]
+    match = r"pooled_embs\[1\] has batch size 3 but pooled_embs\[0\] has 4"
+    with pytest.raises(ValueError, match=match):
+        kt_regroup.regroup(kts, [["a", "b"]])
+    with pytest.raises(ValueError, match=match):
+        kt_regroup.KTRegroupAsDict([["a", "b"]], ["x"])(kts)
+
+
+def test_different_dtypes():
+    kts = [_kt(["a"], [2]), _kt(["b"], [3], dtype=torch.float64)]
+    with pytest.raises(TypeError, match=r"pooled_embs\[1\] is torch.float64 but pooled_embs\[0\] is torch.float32"):
+        kt_regroup.regroup(kts, [["a", "b"]])
+
+
+def test_different_devices():
+    a, b = torch.randn(2, 3), torch.randn(2, 3, device="meta")
+    p = torch.tensor([[0, 0, 0, 0, 3, 0]], dtype=I32)
+    i, o = _meta([3, 3], [3])
+    with pytest.raises(ValueError, match=r"pooled_embs\[1\] is on meta but pooled_embs\[0\] is on cpu"):
+        torch.ops.kt_regroup.permute_multi_embedding([a, b], p, i, o, [3])
+    with pytest.raises(ValueError, match=r"pooled_embs\[1\] is on cpu but pooled_embs\[0\] is on meta"):
+        torch.ops.kt_regroup.permute_multi_embedding([b, a], p, i, o, [3])
+
+
+def test_metadata_on_meta_with_real_inputs_is_refused():
+    # The Meta (fake) kernel would otherwise be chosen and return uninitialised memory.
+    a = torch.randn(2, 3)
+    p = torch.tensor([[0, 0, 0, 0, 3, 0]], dtype=I32)
+    i, o = _meta([3], [3])
+    with pytest.raises(ValueError, match=r"permutes is on meta but pooled_embs\[0\] is on cpu"):
+        torch.ops.kt_regroup.permute_multi_embedding([a], p.to("meta"), i, o, [3])
+    with pytest.raises(ValueError, match=r"permutes is on meta but grad_outputs\[0\] is on cpu"):
+        torch.ops.kt_regroup.permute_multi_embedding_backward([a], p.to("meta"), i, o, [3], 2, a.dtype)
+
+
+def test_empty_input_list():
+    with pytest.raises(ValueError, match=r"no input tensors given"):
+        RegroupPlan.build([], [], [["a"]])
+    with pytest.raises(ValueError, match=r"kt_regroup.regroup: keyed_tensors is empty"):
+        kt_regroup.regroup([], [["a"]])
+    with pytest.raises(ValueError, match=r"KTRegroupAsDict: keyed_tensors is empty"):
+        kt_regroup.KTRegroupAsDict([["a"]], ["x"])([])
+    with pytest.raises(ValueError, match=r"no input tensors given"):
+        kt_regroup.regroup_keyed_tensor([], [], [], [["a"]])
+    p = torch.empty(0, 6, dtype=I32)
+    with pytest.raises(ValueError, match=r"permute_multi_embedding: pooled_embs is empty"):
+        torch.ops.kt_regroup.permute_multi_embedding([], p, *_meta([], []), [])
+
+
+def test_module_groups_keys_mismatch():
+    with pytest.raises(ValueError, match=r"2 groups but 1 keys"):
+        kt_regroup.KTRegroupAsDict([["a"], ["b"]], ["x"])
+    with pytest.raises(ValueError, match=r"regroup_as_dict: 1 groups but 2 keys"):
+        kt_regroup.regroup_as_dict([_kt(["a"], [1])], [["a"]], ["x", "y"])
+
+
+# --- bad permutes ---------------------------------------------------------------------
+
+# Two inputs of widths 4 and 3, one output of width 5; a valid row is [0, 0, 0, 0, 4, 0].
+BAD_ROWS = [
+    pytest.param([2, 0, 0, 0, 1, 0], r"permutes\[1\] in_tensor=2 is out of range \[0, 2\)", id="in_tensor-high"),
+    pytest.param([-1, 0, 0, 0, 1, 0], r"permutes\[1\] in_tensor=-1 is out of range", id="in_tensor-negative"),
+    pytest.param([1, 1, 0, 0, 1, 0], r"permutes\[1\] out_tensor=1 is out of range \[0, 1\)", id="out_tensor-high"),
+    pytest.param([1, -3, 0, 0, 1, 0], r"permutes\[1\] out_tensor=-3 is out of range", id="out_tensor-negative"),
+    pytest.param([1, 0, 0, 4, -1, 0], r"permutes\[1\] has negative length -1", id="negative-length"),
+    pytest.param([1, 0, 2, 4, 2, 0], r"permutes\[1\] reads columns \[2, 4\) of input 1, which has 3 columns", id="read-past-width"),
+    pytest.param([1, 0, -1, 4, 1, 0], r"permutes\[1\] reads columns \[-1, 0\) of input 1", id="read-negative-offset"),
+    pytest.param([1, 0, 0, 4, 2, 0], r"permutes\[1\] writes columns \[4, 6\) of output 0, which has 5 columns", id="write-past-width"),
+    pytest.param([1, 0, 0, -1, 1, 0], r"permutes\[1\] writes columns \[-1, 0\) of output 0", id="write-negative-offset"),
+    pytest.param([1, 0, 0, 4, 2**30, 0], r"permutes\[1\] reads columns \[0, 1073741824\)", id="huge-length"),
+]
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+@pytest.mark.parametrize("row,match", BAD_ROWS)
+def test_bad_permute_row(kernel, row, match):
+    a, b = torch.randn(3, 4), torch.randn(3, 3)
+    before = (a.clone(), b.clone())
+    permutes = torch.tensor([[0, 0, 0, 0, 4, 0], row], dtype=I32)
+    with pytest.raises(ValueError, match=match):
+        kernel([a, b], permutes, *_meta([4, 3], [5]), [5])
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+
+
+@pytest.mark.parametrize("row,match", BAD_ROWS)
+def test_bad_permute_row_backward(row, match):
+    g = torch.randn(3, 5)
+    permutes = torch.tensor([[0, 0, 0, 0, 4, 0], row], dtype=I32)
+    for kernel in (torch.ops.kt_regroup.permute_multi_embedding_backward, permute_multi_embedding_backward_reference):
+        with pytest.raises(ValueError, match=match):
+            kernel([g], permutes, *_meta([4, 3], [5]), [4, 3], 3, torch.float32)
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_in_shapes_mismatch(kernel):
+    a, b = torch.randn(3, 4), torch.randn(3, 3)
+    p = torch.tensor([[0, 0, 0, 0, 4, 0]], dtype=I32)
+    with pytest.raises(ValueError, match=r"in_shapes\[1\]=5 but pooled_embs\[1\] has 3 columns"):
+        kernel([a, b], p, *_meta([4, 5], [4]), [4])
+    with pytest.raises(ValueError, match=r"in_shapes must have one entry per input tensor \(2\), got shape \(3,\)"):
+        kernel([a, b], p, *_meta([4, 3, 1], [4]), [4])
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_out_shapes_mismatch(kernel):
+    a = torch.randn(3, 4)
+    p = torch.tensor([[0, 0, 0, 0, 4, 0]], dtype=I32)
+    with pytest.raises(ValueError, match=r"out_shapes\[0\]=5 but out_lengths\[0\]=4"):
+        kernel([a], p, *_meta([4], [5]), [4])
+    with pytest.raises(ValueError, match=r"out_shapes must have one entry per output \(1 out_lengths\)"):
+        kernel([a], p, *_meta([4], [4, 4]), [4])
+    with pytest.raises(ValueError, match=r"out_lengths\[0\] is negative \(-1\)"):
+        kernel([a], p[:0], *_meta([4], [-1]), [-1])
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_wrong_permutes_shape_or_dtype(kernel):
+    a = torch.randn(3, 4)
+    i, o = _meta([4], [4])
+    with pytest.raises(ValueError, match=r"permutes must have shape \[n, 6\].*got \(1, 5\)"):
+        kernel([a], torch.zeros(1, 5, dtype=I32), i, o, [4])
+    with pytest.raises(ValueError, match=r"permutes must have shape \[n, 6\].*got \(6,\)"):
+        kernel([a], torch.zeros(6, dtype=I32), i, o, [4])
+    with pytest.raises(TypeError, match=r"permutes must be int32 or int64, got torch.float32"):
+        kernel([a], torch.zeros(1, 6), i, o, [4])
+    with pytest.raises(TypeError, match=r"in_shapes must be int32 or int64, got torch.float32"):
+        kernel([a], torch.zeros(1, 6, dtype=I32), i.float(), o, [4])
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_non_2d_input(kernel):
+    p = torch.tensor([[0, 0, 0, 0, 4, 0]], dtype=I32)
+    with pytest.raises(ValueError, match=r"pooled_embs\[0\] must be 2-D \[batch, width\], got shape \(3, 4, 1\)"):
+        kernel([torch.randn(3, 4, 1)], p, *_meta([4], [4]), [4])
+
+
+def test_fake_kernel_checks_metadata():
+    with FakeTensorMode():
+        a = torch.empty(3, 4)
+        with pytest.raises(ValueError, match=r"permutes must have shape \[n, 6\]"):
+            torch.ops.kt_regroup.permute_multi_embedding([a], torch.empty(1, 5, dtype=I32), *_meta([4], [4]), [4])
+        with pytest.raises(ValueError, match=r"in_shapes must have one entry per input tensor"):
+            torch.ops.kt_regroup.permute_multi_embedding(
+                [a], torch.empty(1, 6, dtype=I32), *_meta([4, 4], [4]), [4]
+            )
+
+
+def test_backward_grad_shape_mismatch():
+    p = torch.tensor([[0, 0, 0, 0, 4, 0]], dtype=I32)
+    with pytest.raises(ValueError, match=r"grad_outputs\[0\] has shape \(3, 3\), expected \(3, 4\)"):
+        torch.ops.kt_regroup.permute_multi_embedding_backward(
+            [torch.randn(3, 3)], p, *_meta([4], [4]), [4], 3, torch.float32
+        )
+    with pytest.raises(ValueError, match=r"in_shapes\[0\]=4 but in_lengths\[0\]=5"):
+        torch.ops.kt_regroup.permute_multi_embedding_backward(
+            [torch.randn(3, 4)], p, *_meta([4], [4]), [5], 3, torch.float32
+        )
