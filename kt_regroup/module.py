@@ -186,7 +186,9 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         if self._is_inited:
             if _layout_matches(keyed_tensors, self._in_keys, self._in_lengths, self._dim):
                 return
-            if not self._stale_warned:
+            # dynamo cannot trace a logger call (fullgraph compile would fail): the
+            # warning is an eager-mode courtesy, the rebuild below happens either way.
+            if not self._stale_warned and not torch.compiler.is_compiling():
                 logger.warning(
                     "KTRegroupAsDict(keys=%s): the inputs' keys or widths changed since the "
                     "plan was built; rebuilding it (this warning is shown once per module)",
