@@ -1,0 +1,402 @@
+"""``kt_regroup.KTRegroupAsDict``: torchrec parity, caching, staleness, fx/TorchScript,
+``torch.compile`` and ``torch.export``."""
+
+import logging
+from typing import Dict, List
+
+import pytest
+import torch
+from torchrec.modules.regroup import KTRegroupAsDict as TorchrecKTRegroupAsDict
+from torchrec.sparse.jagged_tensor import KeyedTensor
+from torchrec.types import DataType
+
+import kt_regroup
+from kt_regroup import KTRegroupAsDict
+
+from conftest import (
+    BATCHES,
+    DTYPES,
+    FBGEMM_DTYPES,
+    SEEDS,
+    SMALL_LAYOUT,
+    Layout,
+    assert_no_alias,
+    assert_same_list,
+    clone_all,
+    expected_regroup,
+    keyed_tensors,
+    make_values,
+    needs_fbgemm,
+    random_layout,
+)
+
+LAYOUTS = {f"seed{s}": random_layout(s) for s in SEEDS}
+LAYOUTS["small"] = SMALL_LAYOUT
+
+dtype_ids = lambda d: str(d).replace("torch.", "")  # noqa: E731
+
+
+def _names(layout):
+    return [f"g{i}" for i in range(len(layout.groups))]
+
+
+def _check_dict(out: Dict[str, torch.Tensor], values, layout, dtype=None):
+    names = _names(layout)
+    assert list(out) == names
+    expected = expected_regroup(values, layout)
+    if dtype is not None:
+        expected = [e.to(dtype) for e in expected]
+    assert_same_list([out[n] for n in names], expected)
+
+
+# A layout whose widths / key order differ from SMALL_LAYOUT's but that has the same keys.
+WIDER = Layout(SMALL_LAYOUT.keys, [[3, 1], [7, 3, 127]], SMALL_LAYOUT.groups)
+REORDERED = Layout([["b", "a"], ["e", "c", "d"]], [[7, 3], [127, 1, 3]], SMALL_LAYOUT.groups)
+
+
+# --- parity -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contig", "strided"])
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_module_parity(name, dtype, batch, noncontiguous):
+    layout = LAYOUTS[name]
+    values = make_values(layout, batch, dtype, noncontiguous, seed=5)
+    before = clone_all(values)
+    m = KTRegroupAsDict(layout.groups, _names(layout))
+    for _ in range(2):  # first call builds the plan, second uses the cache
+        out = m(keyed_tensors(layout, values))
+        _check_dict(out, values, layout)
+        assert_no_alias(list(out.values()), values)
+    assert_same_list(values, before)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("dtype", FBGEMM_DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_module_matches_torchrec_module(name, dtype, batch):
+    layout = LAYOUTS[name]
+    values = make_values(layout, batch, dtype, seed=6)
+    ours = KTRegroupAsDict(layout.groups, _names(layout))
+    theirs = TorchrecKTRegroupAsDict(layout.groups, _names(layout))
+    for _ in range(2):
+        a = ours(keyed_tensors(layout, values))
+        b = theirs(keyed_tensors(layout, values))
+        assert list(a) == list(b)
+        assert_same_list(list(a.values()), list(b.values()))
+
+
+def test_module_gradients_match_torchrec_module_on_used_keys_and_are_zero_elsewhere():
+    layout = SMALL_LAYOUT
+    base = make_values(layout, 4)
+    xs = [v.clone().requires_grad_() for v in base]
+    ys = [v.clone().requires_grad_() for v in base]
+    a = KTRegroupAsDict(layout.groups, _names(layout))(keyed_tensors(layout, xs))
+    b = TorchrecKTRegroupAsDict(layout.groups, _names(layout))(keyed_tensors(layout, ys))
+    grads = {k: torch.randn_like(v) for k, v in a.items()}
+    torch.autograd.backward([a[k] for k in grads], [grads[k] for k in grads])
+    torch.autograd.backward([b[k] for k in grads], [grads[k] for k in grads])
+    # key 'b' (input 0, columns 3:10) is unused: FBGEMM leaves it undefined, ours is 0.
+    torch.testing.assert_close(xs[0].grad[:, :3], ys[0].grad[:, :3])
+    torch.testing.assert_close(xs[1].grad, ys[1].grad)
+    assert torch.equal(xs[0].grad[:, 3:], torch.zeros(4, 7))
+
+
+def test_state_dict_is_empty_and_buffers_non_persistent():
+    m = KTRegroupAsDict(SMALL_LAYOUT.groups, _names(SMALL_LAYOUT))
+    assert m.state_dict() == {}
+    m(keyed_tensors(SMALL_LAYOUT, make_values(SMALL_LAYOUT, 2)))
+    assert m.state_dict() == {}
+    assert len(list(m.buffers())) == 3  # the cached plan is there, just not saved
+    assert list(m.parameters()) == []
+    # Loading an (empty) checkpoint into a fresh module works strictly.
+    KTRegroupAsDict(SMALL_LAYOUT.groups, _names(SMALL_LAYOUT)).load_state_dict(m.state_dict(), strict=True)
+
+
+# --- emb_dtype, key_dim, devices, cache ---------------------------------------------------
+
+
+@needs_fbgemm
+def test_emb_dtype_torchrec_datatype_matches_torchrec():
+    layout = SMALL_LAYOUT
+    values = make_values(layout, 3)
+    ours = KTRegroupAsDict(layout.groups, _names(layout), emb_dtype=DataType.FP16)
+    theirs = TorchrecKTRegroupAsDict(layout.groups, _names(layout), emb_dtype=DataType.FP16)
+    a = ours(keyed_tensors(layout, values))
+    b = theirs(keyed_tensors(layout, values))
+    assert all(t.dtype == torch.float16 for t in a.values())
+    assert_same_list(list(a.values()), list(b.values()))
+    _check_dict(a, values, layout, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("emb_dtype", [torch.bfloat16, torch.float64, DataType.FP32], ids=str)
+def test_emb_dtype(emb_dtype):
+    layout = LAYOUTS["seed1"]
+    values = make_values(layout, 3)
+    want = {DataType.FP32: torch.float32}.get(emb_dtype, emb_dtype)
+    out = KTRegroupAsDict(layout.groups, _names(layout), emb_dtype=emb_dtype)(keyed_tensors(layout, values))
+    assert all(t.dtype == want for t in out.values())
+    _check_dict(out, values, layout, dtype=want)
+
+
+def test_key_dim_zero_falls_back_and_matches_torchrec():
+    a = KeyedTensor(["a", "b"], [2, 3], torch.randn(5, 4), key_dim=0)
+    b = KeyedTensor(["c"], [1], torch.randn(1, 4), key_dim=0)
+    groups = [["c", "a"], ["b", "a"]]
+    m = KTRegroupAsDict(groups, ["x", "y"])
+    out = m([a, b])
+    assert torch.equal(out["x"], torch.cat([b.values(), a.values()[:2]]))
+    assert torch.equal(out["y"], torch.cat([a.values()[2:], a.values()[:2]]))
+    expected = KeyedTensor.regroup_as_dict([a, b], groups, ["x", "y"])
+    for k in ("x", "y"):
+        assert torch.equal(out[k], expected[k])
+    # and back to key_dim=1 on the same module: the plan is rebuilt, still right
+    layout = Layout([["a", "b"], ["c"]], [[2, 3], [1]], groups)
+    values = make_values(layout, 4)
+    out = m(keyed_tensors(layout, values))
+    assert_same_list([out["x"], out["y"]], expected_regroup(values, layout))
+
+
+def test_clear_cache_rebuilds():
+    layout = SMALL_LAYOUT
+    m = KTRegroupAsDict(layout.groups, _names(layout))
+    v1 = make_values(layout, 2)
+    _check_dict(m(keyed_tensors(layout, v1)), v1, layout)
+    m.clear_cache()
+    assert not m._is_inited
+    v2 = make_values(WIDER, 3)
+    _check_dict(m(keyed_tensors(WIDER, v2)), v2, WIDER)
+    assert m._is_inited
+    assert m._in_lengths == WIDER.lengths
+
+
+def test_set_device_moves_the_cached_plan():
+    layout = SMALL_LAYOUT
+    m = KTRegroupAsDict(layout.groups, _names(layout))
+    m(keyed_tensors(layout, make_values(layout, 2)))
+    m.set_device("meta")
+    assert {b.device.type for b in m.buffers()} == {"meta"}
+    # Inputs on that device now use the moved plan (meta: shapes only).
+    meta_values = [torch.empty(6, w, device="meta") for w in layout.in_widths]
+    out = m(keyed_tensors(layout, meta_values))
+    assert [tuple(t.shape) for t in out.values()] == [(6, 5), (6, 133), (6, 1)]
+    assert all(t.device.type == "meta" for t in out.values())
+    m.set_device("meta")  # moving again is harmless
+    # meta holds no data to move back: clear_cache() makes the next call rebuild it.
+    m.clear_cache()
+    values = make_values(layout, 3)
+    _check_dict(m(keyed_tensors(layout, values)), values, layout)
+    assert {b.device.type for b in m.buffers()} == {"cpu"}
+    m.set_device("cpu")
+    _check_dict(m(keyed_tensors(layout, values)), values, layout)
+
+
+def test_multi_device_moves_the_plan_to_the_inputs():
+    layout = SMALL_LAYOUT
+    m = KTRegroupAsDict(layout.groups, _names(layout), multi_device=True)
+    values = make_values(layout, 2)
+    _check_dict(m(keyed_tensors(layout, values)), values, layout)
+    meta_values = [torch.empty(6, w, device="meta") for w in layout.in_widths]
+    out = m(keyed_tensors(layout, meta_values))
+    assert [tuple(t.shape) for t in out.values()] == [(6, 5), (6, 133), (6, 1)]
+    assert {b.device.type for b in m.buffers()} == {"cpu"}
+
+
+# --- staleness ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("new_layout", [WIDER, REORDERED], ids=["widths", "key-order"])
+def test_stale_layout_is_rebuilt_in_eager(new_layout, caplog):
+    m = KTRegroupAsDict(SMALL_LAYOUT.groups, _names(SMALL_LAYOUT))
+    v1 = make_values(SMALL_LAYOUT, 3)
+    _check_dict(m(keyed_tensors(SMALL_LAYOUT, v1)), v1, SMALL_LAYOUT)
+    with caplog.at_level(logging.WARNING, logger="kt_regroup.module"):
+        for seed in range(3):
+            v2 = make_values(new_layout, 3, seed=seed)
+            _check_dict(m(keyed_tensors(new_layout, v2)), v2, new_layout)
+            _check_dict(m(keyed_tensors(SMALL_LAYOUT, v1)), v1, SMALL_LAYOUT)
+    warnings = [r for r in caplog.records if "rebuilding" in r.getMessage()]
+    assert len(warnings) == 1  # once per module
+
+
+def test_stale_fewer_inputs_is_rebuilt():
+    m = KTRegroupAsDict([["a"], ["c"]], ["x", "y"])
+    layout2 = Layout([["a", "b"], ["c"]], [[2, 3], [4]], [["a"], ["c"]])
+    layout1 = Layout([["a", "b", "c"]], [[2, 3, 4]], [["a"], ["c"]])
+    for layout in (layout2, layout1, layout2):
+        values = make_values(layout, 2)
+        out = m(keyed_tensors(layout, values))
+        assert_same_list([out["x"], out["y"]], expected_regroup(values, layout))
+
+
+# --- fx / TorchScript ----------------------------------------------------------------------
+
+
+def _tracers():
+    from torchrec.fx import symbolic_trace as torchrec_trace
+
+    return [
+        pytest.param(torch.fx.symbolic_trace, id="torch.fx"),
+        pytest.param(torchrec_trace, id="torchrec.fx"),
+    ]
+
+
+def _assert_graph_calls_regroup(gm):
+    # The traced graph must do the regroup, not pass its inputs through.
+    names = {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "_regroup_with_plan" in names, names
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["before-first-forward", "after-first-forward"])
+@pytest.mark.parametrize("tracer", _tracers())
+def test_fx_trace_computes_the_regroup(tracer, warm):
+    layout = SMALL_LAYOUT
+    m = KTRegroupAsDict(layout.groups, _names(layout))
+    v0 = make_values(layout, 2, seed=1)
+    if warm:
+        m(keyed_tensors(layout, v0))
+    gm = tracer(m)
+    _assert_graph_calls_regroup(gm)
+    for batch in (0, 1, 5):
+        values = make_values(layout, batch, seed=batch)
+        _check_dict(gm(keyed_tensors(layout, values)), values, layout)
+    # Stale layout in the traced graph: the captured plan is bypassed, answer still right.
+    for new in (WIDER, REORDERED):
+        values = make_values(new, 3)
+        _check_dict(gm(keyed_tensors(new, values)), values, new)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["before-first-forward", "after-first-forward"])
+def test_jit_script_of_traced_module(warm):
+    layout = SMALL_LAYOUT
+    m = KTRegroupAsDict(layout.groups, _names(layout), emb_dtype=torch.float64 if warm else None)
+    if warm:
+        m(keyed_tensors(layout, make_values(layout, 2)))
+    scripted = torch.jit.script(torch.fx.symbolic_trace(m))
+    want = torch.float64 if warm else None
+    for lay in (layout, WIDER, REORDERED):
+        values = make_values(lay, 4)
+        _check_dict(scripted(keyed_tensors(lay, values)), values, lay, dtype=want)
+
+
+def test_jit_script_of_module_itself():
+    layout = SMALL_LAYOUT
+    scripted = torch.jit.script(KTRegroupAsDict(layout.groups, _names(layout)))
+    for lay in (layout, WIDER, REORDERED):
+        values = make_values(lay, 3)
+        _check_dict(scripted(keyed_tensors(lay, values)), values, lay)
+
+
+def test_jit_script_of_warm_module_and_key_dim_fallback():
+    layout = SMALL_LAYOUT
+    m = KTRegroupAsDict([["c", "a"]], ["x"])
+    m(keyed_tensors(layout, make_values(layout, 2)))
+    scripted = torch.jit.script(torch.fx.symbolic_trace(m))
+    a = KeyedTensor(["a", "b"], [2, 3], torch.randn(5, 4), key_dim=0)
+    c = KeyedTensor(["c"], [1], torch.randn(1, 4), key_dim=0)
+    out = scripted([a, c])
+    assert torch.equal(out["x"], torch.cat([c.values(), a.values()[:2]]))
+
+
+class _Model(torch.nn.Module):
+    """KTRegroupAsDict between two dense layers: the shape of a DLRM over-arch input."""
+
+    def __init__(self, layout, regroup_cls=KTRegroupAsDict):
+        super().__init__()
+        self.layout = layout
+        self.regroup = regroup_cls(layout.groups, _names(layout))
+        self.proj = torch.nn.ModuleList(
+            [torch.nn.Linear(_width(layout, grp), 4) for grp in layout.groups]
+        )
+
+    def forward(self, kts: List[KeyedTensor]) -> torch.Tensor:
+        groups = self.regroup(kts)
+        return torch.stack([p(groups[f"g{i}"]) for i, p in enumerate(self.proj)]).sum(0)
+
+
+def _width(layout, group):
+    w = {k: n for ks, ns in zip(layout.keys, layout.lengths) for k, n in zip(ks, ns)}
+    return sum(w[k] for k in group)
+
+
+# --- torch.compile / torch.export --------------------------------------------------------------
+
+
+def test_torch_compile_fullgraph_forward_backward_matches_eager():
+    torch._dynamo.reset()
+    layout = LAYOUTS["seed0"]
+    torch.manual_seed(0)
+    model = _Model(layout)
+    compiled = torch.compile(model, fullgraph=True)
+    for batch in (4, 7):  # second batch size: a dynamic-shape recompile must stay right
+        base = make_values(layout, batch, seed=batch)
+        xs = [v.clone().requires_grad_() for v in base]
+        ys = [v.clone().requires_grad_() for v in base]
+        model.zero_grad()
+        eager = model(keyed_tensors(layout, xs))
+        eager.square().sum().backward()
+        eager_param_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        comp = compiled(keyed_tensors(layout, ys))
+        comp.square().sum().backward()
+        torch.testing.assert_close(comp, eager)
+        for x, y in zip(xs, ys):
+            torch.testing.assert_close(y.grad, x.grad)
+        for p, g in zip(model.parameters(), eager_param_grads):
+            torch.testing.assert_close(p.grad, g)
+    # Unused key gradients are exact zeros in the compiled backward too.
+    used = layout.used_keys()
+    for t, (ks, ns) in enumerate(zip(layout.keys, layout.lengths)):
+        off = 0
+        for k, n in zip(ks, ns):
+            if k not in used:
+                assert torch.equal(ys[t].grad[:, off : off + n], torch.zeros(7, n)), k
+            off += n
+
+
+def test_torch_compile_module_stale_layout_recompiles_right():
+    torch._dynamo.reset()
+    layout = SMALL_LAYOUT
+    m = KTRegroupAsDict(layout.groups, _names(layout))
+    compiled = torch.compile(m, fullgraph=True)
+    for lay in (layout, WIDER, layout):
+        values = make_values(lay, 3)
+        _check_dict(compiled(keyed_tensors(lay, values)), values, lay)
+
+
+class _ExportWrapper(torch.nn.Module):
+    """torch.export cannot flatten KeyedTensor inputs: build them inside forward."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+        self.model = _Model(layout)
+
+    def forward(self, values: List[torch.Tensor]) -> torch.Tensor:
+        kts = [
+            KeyedTensor(keys=k, length_per_key=n, values=v)
+            for k, n, v in zip(self.layout.keys, self.layout.lengths, values)
+        ]
+        return self.model(kts)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["before-first-forward", "after-first-forward"])
+def test_torch_export_with_dynamic_batch(warm):
+    layout = LAYOUTS["seed1"]
+    torch.manual_seed(0)
+    model = _ExportWrapper(layout)
+    example = make_values(layout, 4)
+    if warm:
+        model(example)
+    batch = torch.export.Dim("batch")
+    ep = torch.export.export(model, (example,), dynamic_shapes=([{0: batch}] * len(example),))
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "kt_regroup.permute_multi_embedding.default" in ops
+    for b in (2, 9):
+        values = make_values(layout, b, seed=b)
+        torch.testing.assert_close(ep.module()(values), model(values))
+    # the eager module was not left holding fake tensors
+    assert not model.model.regroup._permutes.__class__.__name__.startswith("Fake")
