@@ -70,14 +70,17 @@ class PermuteMultiEmbeddingFunction
       ctx->saved_data["in_lengths"] = c10::IValue(c10::SymIntArrayRef(in_lengths));
       ctx->saved_data["batch_size"] = first.dim() > 0 ? first.sym_size(0) : c10::SymInt(0);
       ctx->saved_data["dtype"] = first.scalar_type();
-      ctx->save_for_backward({permutes, in_shapes, out_shapes});
+      // Index tensors, never modified in place: kept in saved_data rather than
+      // save_for_backward so plans cached under torch.inference_mode() still work.
+      ctx->saved_data["permutes"] = permutes;
+      ctx->saved_data["in_shapes"] = in_shapes;
+      ctx->saved_data["out_shapes"] = out_shapes;
     }
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_forward(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const variable_list saved = ctx->get_saved_variables();
     c10::List<std::optional<at::Tensor>> grads;
     grads.reserve(grad_outputs.size());
     for (const at::Tensor& g : grad_outputs) {
@@ -85,7 +88,8 @@ class PermuteMultiEmbeddingFunction
     }
     const std::vector<c10::SymInt> in_lengths = ctx->saved_data["in_lengths"].toSymIntVector();
     variable_list result = call_backward(
-        grads, saved[0], saved[1], saved[2], in_lengths,
+        grads, ctx->saved_data["permutes"].toTensor(), ctx->saved_data["in_shapes"].toTensor(),
+        ctx->saved_data["out_shapes"].toTensor(), in_lengths,
         ctx->saved_data["batch_size"].toSymInt(), ctx->saved_data["dtype"].toScalarType());
     // No gradient for permutes, in_shapes, out_shapes, out_lengths.
     result.resize(result.size() + 4);

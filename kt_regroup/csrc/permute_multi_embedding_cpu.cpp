@@ -30,6 +30,8 @@ constexpr int64_t kPermuteColumns = 6;
 // Rows are handed to threads in chunks of about this many bytes: small batches run
 // inline (a thread hand-off costs more than copying a few KiB).
 constexpr int64_t kGrainBytes = 64 * 1024;
+// Above this many bytes copied per call, segments are reordered to read inputs in order.
+constexpr int64_t kReorderBytes = 1024 * 1024;
 
 std::string py_dtype(c10::ScalarType t) {
   switch (t) {
@@ -230,6 +232,17 @@ at::Tensor rows_readable(const at::Tensor& t) {
   return r;
 }
 
+// memcpy for the mid-sized segments of a regroup (hundreds of bytes to a few KiB).
+// glibc switches to `rep movsb` for such sizes, which is slow on some CPUs (AMD Zen)
+// for unlucky source/destination offsets; plain vector moves stream at full speed.
+inline void copy_segment(char* dst, const char* src, int64_t n) {
+  // Fixed-size memcpy calls compile to inline vector moves.
+  for (; n >= 64; n -= 64, dst += 64, src += 64) std::memcpy(dst, src, 64);
+  for (; n >= 16; n -= 16, dst += 16, src += 16) std::memcpy(dst, src, 16);
+  for (; n >= 4; n -= 4, dst += 4, src += 4) std::memcpy(dst, src, 4);
+  for (; n > 0; --n) *dst++ = *src++;
+}
+
 int64_t grain_rows(int64_t bytes_per_row) {
   return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, bytes_per_row));
 }
@@ -280,6 +293,21 @@ bool segments_tile_outputs(const std::vector<Segment>& segments, c10::IntArrayRe
   return true;
 }
 
+bool writes_disjoint(const std::vector<Segment>& segments) {
+  std::vector<const Segment*> order;
+  order.reserve(segments.size());
+  for (const Segment& s : segments) order.push_back(&s);
+  std::sort(order.begin(), order.end(), [](const Segment* a, const Segment* b) {
+    return a->out_t != b->out_t ? a->out_t < b->out_t : a->out_off < b->out_off;
+  });
+  for (size_t k = 1; k < order.size(); ++k) {
+    const Segment* a = order[k - 1];
+    const Segment* b = order[k];
+    if (a->out_t == b->out_t && a->out_off + a->length > b->out_off) return false;
+  }
+  return true;
+}
+
 void permute_forward_into(
     at::TensorList pooled_embs,
     const std::vector<Segment>& segments,
@@ -298,10 +326,23 @@ void permute_forward_into(
     int64_t dst_stride;
     int64_t nbytes;
   };
+  int64_t bytes_per_row = 0;
+  for (const Segment& s : segments) bytes_per_row += s.length * es;
+  std::vector<const Segment*> order;
+  order.reserve(segments.size());
+  for (const Segment& s : segments) order.push_back(&s);
+  // Only worth it when the rows do not fit in cache anyway.
+  if (batch * bytes_per_row > kReorderBytes && writes_disjoint(segments)) {
+    // Order no longer matters: read each input row once, front to back, which keeps
+    // the hardware prefetcher on one read stream (the output rows stay sequential).
+    std::stable_sort(order.begin(), order.end(), [](const Segment* a, const Segment* b) {
+      return a->in_t != b->in_t ? a->in_t < b->in_t : a->in_off < b->in_off;
+    });
+  }
   std::vector<Copy> copies;
   copies.reserve(segments.size());
-  int64_t bytes_per_row = 0;
-  for (const Segment& s : segments) {
+  for (const Segment* sp : order) {
+    const Segment& s = *sp;
     const at::Tensor& in = inputs[s.in_t];
     const at::Tensor& out = outs[s.out_t];
     Copy c;
@@ -310,7 +351,6 @@ void permute_forward_into(
     c.dst = static_cast<char*>(out.data_ptr()) + s.out_off * es;
     c.dst_stride = out.stride(0) * es;
     c.nbytes = s.length * es;
-    bytes_per_row += c.nbytes;
     copies.push_back(c);
   }
   const Copy* cs = copies.data();
@@ -319,7 +359,7 @@ void permute_forward_into(
     for (int64_t b = b0; b < b1; ++b) {
       for (size_t k = 0; k < n; ++k) {
         const Copy& c = cs[k];
-        std::memcpy(c.dst + b * c.dst_stride, c.src + b * c.src_stride, c.nbytes);
+        copy_segment(c.dst + b * c.dst_stride, c.src + b * c.src_stride, c.nbytes);
       }
     }
   });
@@ -347,6 +387,49 @@ std::vector<at::Tensor> permute_multi_embedding_cpu(
   }
   permute_forward_into(pooled_embs, segments, outs);
   return outs;
+}
+
+// Inference entry point writing into caller-owned outputs (no allocation, no autograd).
+// `outs[j]` must be [batch, out_shapes[j]] with unit column stride and must not overlap
+// the inputs.
+void permute_multi_embedding_into_cpu(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs) {
+  const char* op = "permute_multi_embedding_into";
+  std::vector<int64_t> out_lengths;
+  out_lengths.reserve(outs.size());
+  for (size_t j = 0; j < outs.size(); ++j) {
+    TORCH_CHECK_VALUE(
+        outs[j].dim() == 2, "kt_regroup.", op, ": outs[", j,
+        "] must be 2-D [batch, width], got shape ", py_shape(outs[j].sizes()));
+    out_lengths.push_back(outs[j].size(1));
+  }
+  const std::vector<Segment> segments =
+      check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  const at::Tensor& first = pooled_embs[0];
+  for (size_t j = 0; j < outs.size(); ++j) {
+    const at::Tensor& t = outs[j];
+    TORCH_CHECK_VALUE(
+        t.size(0) == first.size(0), "kt_regroup.", op, ": outs[", j,
+        "] must have shape (", first.size(0), ", ", out_lengths[j], "), got shape ",
+        py_shape(t.sizes()));
+    TORCH_CHECK_TYPE(
+        t.scalar_type() == first.scalar_type(), "kt_regroup.", op, ": outs[", j, "] is ",
+        py_dtype(t.scalar_type()), " but pooled_embs[0] is ", py_dtype(first.scalar_type()));
+    TORCH_CHECK_VALUE(
+        t.device() == first.device(), "kt_regroup.", op, ": outs[", j, "] is on ",
+        t.device().str(), " but pooled_embs[0] is on ", first.device().str());
+    TORCH_CHECK_VALUE(
+        t.size(1) <= 1 || t.stride(1) == 1, "kt_regroup.", op, ": outs[", j,
+        "] must have unit column stride, got strides (", t.stride(0), ", ", t.stride(1), ")");
+  }
+  if (!segments_tile_outputs(segments, out_lengths)) {
+    for (const at::Tensor& t : outs) const_cast<at::Tensor&>(t).zero_();
+  }
+  permute_forward_into(pooled_embs, segments, outs);
 }
 
 // ---- backward -------------------------------------------------------------------------
@@ -591,4 +674,5 @@ TORCH_LIBRARY_IMPL(kt_regroup, CPU, m) {
   m.impl(
       "permute_multi_embedding_backward",
       TORCH_FN(kt_regroup::permute_multi_embedding_backward_cpu));
+  m.impl("permute_multi_embedding_into", TORCH_FN(kt_regroup::permute_multi_embedding_into_cpu));
 }

@@ -50,7 +50,7 @@ _CSRC = _PACKAGE_DIR / "csrc"
 _SOURCES = ("permute_multi_embedding_cpu.cpp", "permute_multi_embedding_autograd.cpp")
 _HEADERS = ("permute_multi_embedding.h",)
 # at::parallel_for is an inline OpenMP loop: without -fopenmp it would run on one thread.
-_CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+_CFLAGS = ["-O3", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _STAMP = "build_info.json"
 
