@@ -9,7 +9,8 @@ unused, because those are the cases regroup kernels get wrong.
 from __future__ import annotations
 
 import random
-from typing import List, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -24,12 +25,12 @@ BATCHES = (0, 1, 5)
 
 
 class Layout(NamedTuple):
-    keys: List[List[str]]
-    lengths: List[List[int]]
-    groups: List[List[str]]
+    keys: list[list[str]]
+    lengths: list[list[int]]
+    groups: list[list[str]]
 
     @property
-    def in_widths(self) -> List[int]:
+    def in_widths(self) -> list[int]:
         return [sum(t) for t in self.lengths]
 
     def used_keys(self) -> set:
@@ -45,9 +46,9 @@ def random_layout(
 ) -> Layout:
     """A seeded layout with duplicated keys (across and inside groups) and unused keys."""
     rng = random.Random(seed)
-    keys: List[List[str]] = []
-    lengths: List[List[int]] = []
-    all_keys: List[str] = []
+    keys: list[list[str]] = []
+    lengths: list[list[int]] = []
+    all_keys: list[str] = []
     for t in range(n_inputs):
         n = rng.randint(*keys_per_input)
         tkeys = [f"f{t}_{i}" for i in range(n)]
@@ -58,7 +59,7 @@ def random_layout(
     skipped = set(rng.sample(all_keys, n_skip))
     usable = [k for k in all_keys if k not in skipped]
     rng.shuffle(usable)
-    groups: List[List[str]] = [[] for _ in range(n_groups)]
+    groups: list[list[str]] = [[] for _ in range(n_groups)]
     for i, k in enumerate(usable):  # every usable key lands in some group
         groups[i % n_groups].append(k)
     dup = rng.choice(usable)
@@ -87,7 +88,7 @@ def make_values(
     noncontiguous: bool = False,
     seed: int = 0,
     requires_grad: bool = False,
-) -> List[torch.Tensor]:
+) -> list[torch.Tensor]:
     """One ``[batch, width]`` tensor per input; optionally a strided (non-contiguous) view."""
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -103,7 +104,7 @@ def make_values(
     return out
 
 
-def expected_regroup(values: Sequence[torch.Tensor], layout: Layout) -> List[torch.Tensor]:
+def expected_regroup(values: Sequence[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
     """The obvious oracle: slice every key's block and ``torch.cat`` each group."""
     where = {}
     for t, (tkeys, tlens) in enumerate(zip(layout.keys, layout.lengths)):
@@ -147,10 +148,16 @@ def assert_no_alias(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
             )
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same global RNG state: failures reproduce exactly."""
+    torch.manual_seed(0)
+
+
 def has_fbgemm_permute() -> bool:
     try:
         import fbgemm_gpu  # noqa: F401
-    except Exception:
+    except ImportError:
         return False
     return hasattr(torch.ops.fbgemm, "permute_multi_embedding")
 
@@ -160,5 +167,5 @@ needs_fbgemm = pytest.mark.skipif(
 )
 
 
-def clone_all(tensors: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+def clone_all(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
     return [None if t is None else t.detach().clone() for t in tensors]

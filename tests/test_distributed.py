@@ -12,7 +12,6 @@ torchrec's DistributedModelParallel. Each rank checks that
 
 import os
 import socket
-from typing import Dict, List
 
 import pytest
 import torch
@@ -59,7 +58,7 @@ def _build_model():
             self.torchrec_regroup = TorchrecKTRegroupAsDict(GROUPS, GROUP_NAMES)
             self.over = torch.nn.Linear(DIMS["t0"] + DIMS["t2"] + DIMS["t1"] + DIMS["t0"], 1)
 
-        def forward(self, features) -> Dict[str, torch.Tensor]:
+        def forward(self, features) -> dict[str, torch.Tensor]:
             pooled = self.ebc(features)
             ours = self.regroup([pooled])
             with torch.no_grad():
@@ -86,7 +85,9 @@ def _batch(rank: int):
     return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
 
 
-def _copy_weights(sharded_state: Dict[str, torch.Tensor], full_state: Dict[str, torch.Tensor]) -> None:
+def _copy_weights(
+    sharded_state: dict[str, torch.Tensor], full_state: dict[str, torch.Tensor]
+) -> None:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     for name, target in sharded_state.items():
@@ -104,7 +105,10 @@ def _worker(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
-        from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
+        from torchrec.distributed.model_parallel import (
+            DistributedModelParallel,
+            get_default_sharders,
+        )
         from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
         from torchrec.distributed.planner.types import ParameterConstraints
         from torchrec.distributed.types import ShardingEnv, ShardingType
@@ -119,7 +123,9 @@ def _worker(rank: int, port: int) -> None:
         planner = EmbeddingShardingPlanner(
             topology=Topology(world_size=WORLD_SIZE, compute_device="cpu"),
             constraints={
-                f"table_{name}": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value])
+                f"table_{name}": ParameterConstraints(
+                    sharding_types=[ShardingType.TABLE_WISE.value]
+                )
                 for name in DIMS
             },
         )
@@ -156,6 +162,8 @@ def _worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")
+@pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available"
+)
 def test_ktregroupasdict_in_distributed_model_parallel():
     mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)

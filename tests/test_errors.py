@@ -34,7 +34,9 @@ def _kernels():
 
 
 def _kt(keys, widths, batch=2, dtype=torch.float32):
-    return KeyedTensor(keys=keys, length_per_key=widths, values=torch.randn(batch, sum(widths), dtype=dtype))
+    return KeyedTensor(
+        keys=keys, length_per_key=widths, values=torch.randn(batch, sum(widths), dtype=dtype)
+    )
 
 
 MISSING = r"group 1 asks for key 'zz'.*none of the 2 inputs.*looked in: input 0: \['a', 'b'\]; input 1: \['c'\]"
@@ -55,7 +57,9 @@ def test_missing_key_every_surface():
     with pytest.raises(KeyError, match=MISSING):
         kt_regroup.KTRegroupAsDict(groups, ["x", "y"])(kts)
     with pytest.raises(KeyError, match=MISSING):
-        kt_regroup.regroup_keyed_tensor([kt.values() for kt in kts], [["a", "b"], ["c"]], [[1, 2], [3]], groups)
+        kt_regroup.regroup_keyed_tensor(
+            [kt.values() for kt in kts], [["a", "b"], ["c"]], [[1, 2], [3]], groups
+        )
     with pytest.raises(KeyError, match=MISSING):
         kt_regroup.kt_regroup_arguments(torch.empty(0), [["a", "b"], ["c"]], [[1, 2], [3]], groups)
 
@@ -98,7 +102,9 @@ def test_non_string_key():
     with pytest.raises(TypeError, match=r"key 7 of input 0 is a int"):
         kt_regroup.KTRegroupAsDict([["a"]], ["x"])([kt])
     # The op schema itself refuses it, showing the offending value.
-    with pytest.raises(RuntimeError, match=r"(?s)List\[List\[str\]\]' for argument 'keys'.*\[\['a', 7\]\]"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)List\[List\[str\]\]' for argument 'keys'.*\[\['a', 7\]\]"
+    ):
         kt_regroup.regroup([kt], [["a"]])
 
 
@@ -113,7 +119,9 @@ def test_keys_lengths_mismatch():
     with pytest.raises(ValueError, match=r"keys for 2 tensors but lengths for 1"):
         RegroupPlan.build([["a"], ["b"]], [[1]], [["a"]])
     with pytest.raises(ValueError, match=r"2 tensors but keys for 1"):
-        kt_regroup.regroup_keyed_tensor([torch.ones(2, 1), torch.ones(2, 1)], [["a"]], [[1]], [["a"]])
+        kt_regroup.regroup_keyed_tensor(
+            [torch.ones(2, 1), torch.ones(2, 1)], [["a"]], [[1]], [["a"]]
+        )
 
 
 def test_different_batch_sizes():
@@ -127,7 +135,9 @@ def test_different_batch_sizes():
 
 def test_different_dtypes():
     kts = [_kt(["a"], [2]), _kt(["b"], [3], dtype=torch.float64)]
-    with pytest.raises(TypeError, match=r"pooled_embs\[1\] is torch.float64 but pooled_embs\[0\] is torch.float32"):
+    with pytest.raises(
+        TypeError, match=r"pooled_embs\[1\] is torch.float64 but pooled_embs\[0\] is torch.float32"
+    ):
         kt_regroup.regroup(kts, [["a", "b"]])
 
 
@@ -135,9 +145,13 @@ def test_different_devices():
     a, b = torch.randn(2, 3), torch.randn(2, 3, device="meta")
     p = torch.tensor([[0, 0, 0, 0, 3, 0]], dtype=I32)
     i, o = _meta([3, 3], [3])
-    with pytest.raises(ValueError, match=r"pooled_embs\[1\] is on meta but pooled_embs\[0\] is on cpu"):
+    with pytest.raises(
+        ValueError, match=r"pooled_embs\[1\] is on meta but pooled_embs\[0\] is on cpu"
+    ):
         torch.ops.kt_regroup.permute_multi_embedding([a, b], p, i, o, [3])
-    with pytest.raises(ValueError, match=r"pooled_embs\[1\] is on cpu but pooled_embs\[0\] is on meta"):
+    with pytest.raises(
+        ValueError, match=r"pooled_embs\[1\] is on cpu but pooled_embs\[0\] is on meta"
+    ):
         torch.ops.kt_regroup.permute_multi_embedding([b, a], p, i, o, [3])
 
 
@@ -149,7 +163,9 @@ def test_metadata_on_meta_with_real_inputs_is_refused():
     with pytest.raises(ValueError, match=r"permutes is on meta but pooled_embs\[0\] is on cpu"):
         torch.ops.kt_regroup.permute_multi_embedding([a], p.to("meta"), i, o, [3])
     with pytest.raises(ValueError, match=r"permutes is on meta but grad_outputs\[0\] is on cpu"):
-        torch.ops.kt_regroup.permute_multi_embedding_backward([a], p.to("meta"), i, o, [3], 2, a.dtype)
+        torch.ops.kt_regroup.permute_multi_embedding_backward(
+            [a], p.to("meta"), i, o, [3], 2, a.dtype
+        )
 
 
 def test_empty_input_list():
@@ -177,16 +193,50 @@ def test_module_groups_keys_mismatch():
 
 # Two inputs of widths 4 and 3, one output of width 5; a valid row is [0, 0, 0, 0, 4, 0].
 BAD_ROWS = [
-    pytest.param([2, 0, 0, 0, 1, 0], r"permutes\[1\] in_tensor=2 is out of range \[0, 2\)", id="in_tensor-high"),
-    pytest.param([-1, 0, 0, 0, 1, 0], r"permutes\[1\] in_tensor=-1 is out of range", id="in_tensor-negative"),
-    pytest.param([1, 1, 0, 0, 1, 0], r"permutes\[1\] out_tensor=1 is out of range \[0, 1\)", id="out_tensor-high"),
-    pytest.param([1, -3, 0, 0, 1, 0], r"permutes\[1\] out_tensor=-3 is out of range", id="out_tensor-negative"),
-    pytest.param([1, 0, 0, 4, -1, 0], r"permutes\[1\] has negative length -1", id="negative-length"),
-    pytest.param([1, 0, 2, 4, 2, 0], r"permutes\[1\] reads columns \[2, 4\) of input 1, which has 3 columns", id="read-past-width"),
-    pytest.param([1, 0, -1, 4, 1, 0], r"permutes\[1\] reads columns \[-1, 0\) of input 1", id="read-negative-offset"),
-    pytest.param([1, 0, 0, 4, 2, 0], r"permutes\[1\] writes columns \[4, 6\) of output 0, which has 5 columns", id="write-past-width"),
-    pytest.param([1, 0, 0, -1, 1, 0], r"permutes\[1\] writes columns \[-1, 0\) of output 0", id="write-negative-offset"),
-    pytest.param([1, 0, 0, 4, 2**30, 0], r"permutes\[1\] reads columns \[0, 1073741824\)", id="huge-length"),
+    pytest.param(
+        [2, 0, 0, 0, 1, 0],
+        r"permutes\[1\] in_tensor=2 is out of range \[0, 2\)",
+        id="in_tensor-high",
+    ),
+    pytest.param(
+        [-1, 0, 0, 0, 1, 0], r"permutes\[1\] in_tensor=-1 is out of range", id="in_tensor-negative"
+    ),
+    pytest.param(
+        [1, 1, 0, 0, 1, 0],
+        r"permutes\[1\] out_tensor=1 is out of range \[0, 1\)",
+        id="out_tensor-high",
+    ),
+    pytest.param(
+        [1, -3, 0, 0, 1, 0],
+        r"permutes\[1\] out_tensor=-3 is out of range",
+        id="out_tensor-negative",
+    ),
+    pytest.param(
+        [1, 0, 0, 4, -1, 0], r"permutes\[1\] has negative length -1", id="negative-length"
+    ),
+    pytest.param(
+        [1, 0, 2, 4, 2, 0],
+        r"permutes\[1\] reads columns \[2, 4\) of input 1, which has 3 columns",
+        id="read-past-width",
+    ),
+    pytest.param(
+        [1, 0, -1, 4, 1, 0],
+        r"permutes\[1\] reads columns \[-1, 0\) of input 1",
+        id="read-negative-offset",
+    ),
+    pytest.param(
+        [1, 0, 0, 4, 2, 0],
+        r"permutes\[1\] writes columns \[4, 6\) of output 0, which has 5 columns",
+        id="write-past-width",
+    ),
+    pytest.param(
+        [1, 0, 0, -1, 1, 0],
+        r"permutes\[1\] writes columns \[-1, 0\) of output 0",
+        id="write-negative-offset",
+    ),
+    pytest.param(
+        [1, 0, 0, 4, 2**30, 0], r"permutes\[1\] reads columns \[0, 1073741824\)", id="huge-length"
+    ),
 ]
 
 
@@ -205,7 +255,10 @@ def test_bad_permute_row(kernel, row, match):
 def test_bad_permute_row_backward(row, match):
     g = torch.randn(3, 5)
     permutes = torch.tensor([[0, 0, 0, 0, 4, 0], row], dtype=I32)
-    for kernel in (torch.ops.kt_regroup.permute_multi_embedding_backward, permute_multi_embedding_backward_reference):
+    for kernel in (
+        torch.ops.kt_regroup.permute_multi_embedding_backward,
+        permute_multi_embedding_backward_reference,
+    ):
         with pytest.raises(ValueError, match=match):
             kernel([g], permutes, *_meta([4, 3], [5]), [4, 3], 3, torch.float32)
 
@@ -216,7 +269,9 @@ def test_in_shapes_mismatch(kernel):
     p = torch.tensor([[0, 0, 0, 0, 4, 0]], dtype=I32)
     with pytest.raises(ValueError, match=r"in_shapes\[1\]=5 but pooled_embs\[1\] has 3 columns"):
         kernel([a, b], p, *_meta([4, 5], [4]), [4])
-    with pytest.raises(ValueError, match=r"in_shapes must have one entry per input tensor \(2\), got shape \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"in_shapes must have one entry per input tensor \(2\), got shape \(3,\)"
+    ):
         kernel([a, b], p, *_meta([4, 3, 1], [4]), [4])
 
 
@@ -226,7 +281,9 @@ def test_out_shapes_mismatch(kernel):
     p = torch.tensor([[0, 0, 0, 0, 4, 0]], dtype=I32)
     with pytest.raises(ValueError, match=r"out_shapes\[0\]=5 but out_lengths\[0\]=4"):
         kernel([a], p, *_meta([4], [5]), [4])
-    with pytest.raises(ValueError, match=r"out_shapes must have one entry per output \(1 out_lengths\)"):
+    with pytest.raises(
+        ValueError, match=r"out_shapes must have one entry per output \(1 out_lengths\)"
+    ):
         kernel([a], p, *_meta([4], [4, 4]), [4])
     with pytest.raises(ValueError, match=r"out_lengths\[0\] is negative \(-1\)"):
         kernel([a], p[:0], *_meta([4], [-1]), [-1])
@@ -249,7 +306,9 @@ def test_wrong_permutes_shape_or_dtype(kernel):
 @pytest.mark.parametrize("kernel", _kernels())
 def test_non_2d_input(kernel):
     p = torch.tensor([[0, 0, 0, 0, 4, 0]], dtype=I32)
-    with pytest.raises(ValueError, match=r"pooled_embs\[0\] must be 2-D \[batch, width\], got shape \(3, 4, 1\)"):
+    with pytest.raises(
+        ValueError, match=r"pooled_embs\[0\] must be 2-D \[batch, width\], got shape \(3, 4, 1\)"
+    ):
         kernel([torch.randn(3, 4, 1)], p, *_meta([4], [4]), [4])
 
 
@@ -257,7 +316,9 @@ def test_fake_kernel_checks_metadata():
     with FakeTensorMode():
         a = torch.empty(3, 4)
         with pytest.raises(ValueError, match=r"permutes must have shape \[n, 6\]"):
-            torch.ops.kt_regroup.permute_multi_embedding([a], torch.empty(1, 5, dtype=I32), *_meta([4], [4]), [4])
+            torch.ops.kt_regroup.permute_multi_embedding(
+                [a], torch.empty(1, 5, dtype=I32), *_meta([4], [4]), [4]
+            )
         with pytest.raises(ValueError, match=r"in_shapes must have one entry per input tensor"):
             torch.ops.kt_regroup.permute_multi_embedding(
                 [a], torch.empty(1, 6, dtype=I32), *_meta([4, 4], [4]), [4]
@@ -266,7 +327,9 @@ def test_fake_kernel_checks_metadata():
 
 def test_backward_grad_shape_mismatch():
     p = torch.tensor([[0, 0, 0, 0, 4, 0]], dtype=I32)
-    with pytest.raises(ValueError, match=r"grad_outputs\[0\] has shape \(3, 3\), expected \(3, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"grad_outputs\[0\] has shape \(3, 3\), expected \(3, 4\)"
+    ):
         torch.ops.kt_regroup.permute_multi_embedding_backward(
             [torch.randn(3, 3)], p, *_meta([4], [4]), [4], 3, torch.float32
         )

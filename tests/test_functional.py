@@ -1,13 +1,7 @@
 """``kt_regroup.regroup`` / ``regroup_as_dict`` against torchrec's regroup functions."""
 
-from typing import Dict, List
-
 import pytest
 import torch
-from torchrec.sparse.jagged_tensor import KeyedTensor, _regroup_keyed_tensors
-
-import kt_regroup
-
 from conftest import (
     BATCHES,
     DTYPES,
@@ -21,12 +15,15 @@ from conftest import (
     make_values,
     random_layout,
 )
+from torchrec.sparse.jagged_tensor import KeyedTensor, _regroup_keyed_tensors
+
+import kt_regroup
 
 LAYOUTS = {f"seed{s}": random_layout(s) for s in SEEDS}
 LAYOUTS["small"] = SMALL_LAYOUT
 LAYOUTS["wide"] = random_layout(42, n_inputs=6, keys_per_input=(2, 8), n_groups=5)
 
-dtype_ids = lambda d: str(d).replace("torch.", "")  # noqa: E731
+dtype_ids = lambda d: str(d).replace("torch.", "")
 
 
 @pytest.mark.parametrize("noncontiguous", [False, True], ids=["contig", "strided"])
@@ -93,7 +90,9 @@ def test_key_dim_zero_fallback_matches_torchrec(dtype):
     ours = kt_regroup.regroup([a, b], groups)
     theirs = _regroup_keyed_tensors([a, b], groups)
     assert_same_list(ours, theirs)
-    assert_same_list(ours, [torch.cat([b.values(), a.values()[:2]]), torch.cat([a.values()[2:], a.values()[:2]])])
+    assert_same_list(
+        ours, [torch.cat([b.values(), a.values()[:2]]), torch.cat([a.values()[2:], a.values()[:2]])]
+    )
 
 
 def test_regroup_single_keyed_tensor_identity_group_is_a_copy():
@@ -104,7 +103,7 @@ def test_regroup_single_keyed_tensor_identity_group_is_a_copy():
 
 
 class _UsesRegroup(torch.nn.Module):
-    def forward(self, kts: List[KeyedTensor]) -> Dict[str, torch.Tensor]:
+    def forward(self, kts: list[KeyedTensor]) -> dict[str, torch.Tensor]:
         return kt_regroup.regroup_as_dict(kts, [["c", "a"], ["e"]], ["x", "y"])
 
 
@@ -124,7 +123,7 @@ def test_regroup_is_a_single_fx_node_and_traced_graph_is_right():
 
 def test_regroup_torchscript():
     @torch.jit.script
-    def scripted(kts: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:
+    def scripted(kts: list[KeyedTensor], groups: list[list[str]]) -> list[torch.Tensor]:
         return kt_regroup.regroup(kts, groups)
 
     values = make_values(SMALL_LAYOUT, 2)

@@ -2,17 +2,9 @@
 ``torch.compile`` and ``torch.export``."""
 
 import logging
-from typing import Dict, List
 
 import pytest
 import torch
-from torchrec.modules.regroup import KTRegroupAsDict as TorchrecKTRegroupAsDict
-from torchrec.sparse.jagged_tensor import KeyedTensor
-from torchrec.types import DataType
-
-import kt_regroup
-from kt_regroup import KTRegroupAsDict
-
 from conftest import (
     BATCHES,
     DTYPES,
@@ -29,18 +21,23 @@ from conftest import (
     needs_fbgemm,
     random_layout,
 )
+from torchrec.modules.regroup import KTRegroupAsDict as TorchrecKTRegroupAsDict
+from torchrec.sparse.jagged_tensor import KeyedTensor
+from torchrec.types import DataType
+
+from kt_regroup import KTRegroupAsDict
 
 LAYOUTS = {f"seed{s}": random_layout(s) for s in SEEDS}
 LAYOUTS["small"] = SMALL_LAYOUT
 
-dtype_ids = lambda d: str(d).replace("torch.", "")  # noqa: E731
+dtype_ids = lambda d: str(d).replace("torch.", "")
 
 
 def _names(layout):
     return [f"g{i}" for i in range(len(layout.groups))]
 
 
-def _check_dict(out: Dict[str, torch.Tensor], values, layout, dtype=None):
+def _check_dict(out: dict[str, torch.Tensor], values, layout, dtype=None):
     names = _names(layout)
     assert list(out) == names
     expected = expected_regroup(values, layout)
@@ -113,7 +110,9 @@ def test_state_dict_is_empty_and_buffers_non_persistent():
     assert len(list(m.buffers())) == 3  # the cached plan is there, just not saved
     assert list(m.parameters()) == []
     # Loading an (empty) checkpoint into a fresh module works strictly.
-    KTRegroupAsDict(SMALL_LAYOUT.groups, _names(SMALL_LAYOUT)).load_state_dict(m.state_dict(), strict=True)
+    KTRegroupAsDict(SMALL_LAYOUT.groups, _names(SMALL_LAYOUT)).load_state_dict(
+        m.state_dict(), strict=True
+    )
 
 
 # --- emb_dtype, key_dim, devices, cache ---------------------------------------------------
@@ -137,7 +136,9 @@ def test_emb_dtype(emb_dtype):
     layout = LAYOUTS["seed1"]
     values = make_values(layout, 3)
     want = {DataType.FP32: torch.float32}.get(emb_dtype, emb_dtype)
-    out = KTRegroupAsDict(layout.groups, _names(layout), emb_dtype=emb_dtype)(keyed_tensors(layout, values))
+    out = KTRegroupAsDict(layout.groups, _names(layout), emb_dtype=emb_dtype)(
+        keyed_tensors(layout, values)
+    )
     assert all(t.dtype == want for t in out.values())
     _check_dict(out, values, layout, dtype=want)
 
@@ -246,7 +247,11 @@ def _tracers():
 
 def _assert_graph_calls_regroup(gm):
     # The traced graph must do the regroup, not pass its inputs through.
-    names = {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"}
+    names = {
+        getattr(n.target, "__name__", str(n.target))
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    }
     assert "_regroup_with_plan" in names, names
 
 
@@ -312,7 +317,7 @@ class _Model(torch.nn.Module):
             [torch.nn.Linear(_width(layout, grp), 4) for grp in layout.groups]
         )
 
-    def forward(self, kts: List[KeyedTensor]) -> torch.Tensor:
+    def forward(self, kts: list[KeyedTensor]) -> torch.Tensor:
         groups = self.regroup(kts)
         return torch.stack([p(groups[f"g{i}"]) for i, p in enumerate(self.proj)]).sum(0)
 
@@ -375,7 +380,7 @@ class _ExportWrapper(torch.nn.Module):
         self.layout = layout
         self.model = _Model(layout)
 
-    def forward(self, values: List[torch.Tensor]) -> torch.Tensor:
+    def forward(self, values: list[torch.Tensor]) -> torch.Tensor:
         kts = [
             KeyedTensor(keys=k, length_per_key=n, values=v)
             for k, n, v in zip(self.layout.keys, self.layout.lengths, values)

@@ -10,15 +10,6 @@ import gc
 
 import pytest
 import torch
-from torchrec.sparse.jagged_tensor import _kt_regroup_arguments
-
-import kt_regroup
-from kt_regroup.kernels.reference import (
-    permute_multi_embedding_backward_reference,
-    permute_multi_embedding_reference,
-)
-from kt_regroup.plan import RegroupPlan
-
 from conftest import (
     BATCHES,
     DTYPES,
@@ -34,11 +25,19 @@ from conftest import (
     needs_fbgemm,
     random_layout,
 )
+from torchrec.sparse.jagged_tensor import _kt_regroup_arguments
+
+import kt_regroup
+from kt_regroup.kernels.reference import (
+    permute_multi_embedding_backward_reference,
+    permute_multi_embedding_reference,
+)
+from kt_regroup.plan import RegroupPlan
 
 LAYOUTS = {f"seed{s}": random_layout(s) for s in SEEDS}
 LAYOUTS["small"] = SMALL_LAYOUT
 
-dtype_ids = lambda d: str(d).replace("torch.", "")  # noqa: E731
+dtype_ids = lambda d: str(d).replace("torch.", "")
 
 
 def _args(kind, values, layout):
@@ -46,7 +45,9 @@ def _args(kind, values, layout):
     if kind == "torchrec":
         return _kt_regroup_arguments(values[0], layout.keys, layout.lengths, layout.groups)
     if kind == "ours":
-        return kt_regroup.kt_regroup_arguments(values[0], layout.keys, layout.lengths, layout.groups)
+        return kt_regroup.kt_regroup_arguments(
+            values[0], layout.keys, layout.lengths, layout.groups
+        )
     plan = RegroupPlan.build(*layout)
     return (*plan.tensors(values[0].device), plan.out_lengths)
 
@@ -81,7 +82,9 @@ def test_regroup_keyed_tensor_parity(name, dtype, batch, noncontiguous):
     layout = LAYOUTS[name]
     values = make_values(layout, batch, dtype, noncontiguous, seed=batch + 1)
     before = clone_all(values)
-    out = torch.ops.kt_regroup.regroup_keyed_tensor(values, layout.keys, layout.lengths, layout.groups)
+    out = torch.ops.kt_regroup.regroup_keyed_tensor(
+        values, layout.keys, layout.lengths, layout.groups
+    )
     assert_same_list(out, expected_regroup(values, layout))
     out2 = kt_regroup.regroup_keyed_tensor(values, layout.keys, layout.lengths, layout.groups)
     assert_same_list(out2, out)
@@ -117,9 +120,12 @@ def test_gradients_match_fbgemm_for_used_keys(dtype):
     xs_fb = [v.clone().requires_grad_() for v in values]
     torch.autograd.backward(torch.ops.kt_regroup.permute_multi_embedding(xs_ours, *args), grads)
     torch.autograd.backward(torch.ops.fbgemm.permute_multi_embedding(xs_fb, *args), grads)
-    # a: cols 0:3 used, b: cols 3:10 unused; input 1 fully used.
-    torch.testing.assert_close(xs_ours[0].grad[:, :3], xs_fb[0].grad[:, :3])
-    torch.testing.assert_close(xs_ours[1].grad, xs_fb[1].grad)
+    # a: cols 0:3 used, b: cols 3:10 unused; input 1 fully used. 'c' is used three times:
+    # FBGEMM sums its gradients in half precision, we in float32 (rounded once), so
+    # half types agree to a few ulps only.
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype != torch.float32 else {}
+    torch.testing.assert_close(xs_ours[0].grad[:, :3], xs_fb[0].grad[:, :3], **tol)
+    torch.testing.assert_close(xs_ours[1].grad, xs_fb[1].grad, **tol)
     assert torch.equal(xs_ours[0].grad[:, 3:], torch.zeros(4, 7, dtype=dtype))
 
 
@@ -141,7 +147,11 @@ def test_out_lengths_may_exceed_what_permutes_write_and_unwritten_columns_are_ze
     x = torch.arange(6.0).reshape(2, 3)
     permutes = torch.tensor([[0, 0, 1, 0, 2, 0]], dtype=torch.int32)
     out = torch.ops.kt_regroup.permute_multi_embedding(
-        [x], permutes, torch.tensor([3], dtype=torch.int32), torch.tensor([4], dtype=torch.int32), [4]
+        [x],
+        permutes,
+        torch.tensor([3], dtype=torch.int32),
+        torch.tensor([4], dtype=torch.int32),
+        [4],
     )
     assert torch.equal(out[0], torch.tensor([[1.0, 2.0, 0.0, 0.0], [4.0, 5.0, 0.0, 0.0]]))
 
@@ -169,7 +179,13 @@ def _opcheck_samples():
         ]
     ):
         samples.append(
-            pytest.param(dtype, batch, noncontig, layout, id=f"{dtype_ids(dtype)}-b{batch}-nc{int(noncontig)}")
+            pytest.param(
+                dtype,
+                batch,
+                noncontig,
+                layout,
+                id=f"{dtype_ids(dtype)}-b{batch}-nc{int(noncontig)}",
+            )
         )
     return samples
 
@@ -185,7 +201,12 @@ def test_opcheck_permute_multi_embedding(dtype, batch, noncontiguous, layout):
 def test_opcheck_permute_multi_embedding_backward(dtype, batch, noncontiguous, layout):
     values = make_values(layout, batch, dtype)
     p, i, o, out_lengths = kt_regroup.kt_regroup_arguments(values[0], *layout)
-    grads = make_values(Layout([["g"]] * len(out_lengths), [[n] for n in out_lengths], []), batch, dtype, noncontiguous)
+    grads = make_values(
+        Layout([["g"]] * len(out_lengths), [[n] for n in out_lengths], []),
+        batch,
+        dtype,
+        noncontiguous,
+    )
     grads[-1] = None  # an output whose gradient autograd never materialised
     torch.library.opcheck(
         torch.ops.kt_regroup.permute_multi_embedding_backward.default,
@@ -294,7 +315,9 @@ def test_backward_accumulates_duplicates_zeroes_unused_keeps_dtype(name, dtype):
         off = 0
         for k, w in zip(tkeys, tlens):
             if k not in used:
-                assert torch.equal(values[t].grad[:, off : off + w], torch.zeros(batch, w, dtype=dtype)), k
+                assert torch.equal(
+                    values[t].grad[:, off : off + w], torch.zeros(batch, w, dtype=dtype)
+                ), k
             off += w
 
 

@@ -2,22 +2,33 @@
 
 import pytest
 import torch
+from conftest import (
+    SEEDS,
+    SMALL_LAYOUT,
+    Layout,
+    assert_same_list,
+    expected_regroup,
+    make_values,
+    random_layout,
+)
 from torchrec.sparse.jagged_tensor import _kt_regroup_arguments
 
 import kt_regroup
 from kt_regroup.kernels.reference import permute_multi_embedding_reference
 from kt_regroup.plan import PERMUTE_COLUMNS, RegroupPlan, coalesce_rows
 
-from conftest import SEEDS, SMALL_LAYOUT, Layout, assert_same_list, expected_regroup, make_values, random_layout
-
-LAYOUTS = [SMALL_LAYOUT] + [random_layout(s) for s in SEEDS] + [
-    random_layout(10, n_inputs=1, n_groups=1),
-    random_layout(11, n_inputs=5, keys_per_input=(3, 6), n_groups=4),
-    # a key used three times in one group and twice elsewhere: long duplicate chains
-    Layout([["x", "y"], ["z"]], [[1, 3], [7]], [["x", "x", "z", "x"], ["z", "y", "x"]]),
-    # empty group, unused input
-    Layout([["x"], ["y"]], [[3], [7]], [["x"], []]),
-]
+LAYOUTS = (
+    [SMALL_LAYOUT]
+    + [random_layout(s) for s in SEEDS]
+    + [
+        random_layout(10, n_inputs=1, n_groups=1),
+        random_layout(11, n_inputs=5, keys_per_input=(3, 6), n_groups=4),
+        # a key used three times in one group and twice elsewhere: long duplicate chains
+        Layout([["x", "y"], ["z"]], [[1, 3], [7]], [["x", "x", "z", "x"], ["z", "y", "x"]]),
+        # empty group, unused input
+        Layout([["x"], ["y"]], [[3], [7]], [["x"], []]),
+    ]
+)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{len(l.keys)}in-{len(l.groups)}out")
@@ -64,8 +75,12 @@ def test_small_layout_rows_by_hand():
 def test_coalesced_plan_computes_the_same(layout):
     plan = RegroupPlan.build(*layout)
     values = make_values(layout, batch=3)
-    full = permute_multi_embedding_reference(values, *plan.tensors(coalesced=False), plan.out_lengths)
-    merged = permute_multi_embedding_reference(values, *plan.tensors(coalesced=True), plan.out_lengths)
+    full = permute_multi_embedding_reference(
+        values, *plan.tensors(coalesced=False), plan.out_lengths
+    )
+    merged = permute_multi_embedding_reference(
+        values, *plan.tensors(coalesced=True), plan.out_lengths
+    )
     assert_same_list(full, expected_regroup(values, layout))
     assert_same_list(merged, full)
     assert len(plan.coalesced_rows) <= len(plan.rows)
