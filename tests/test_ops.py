@@ -373,3 +373,57 @@ def test_half_precision_duplicates_accumulate_in_float32():
     out[0].backward(torch.tensor([[2048.0, 1.0, 1.0]], dtype=torch.float16))
     assert x.grad.dtype == torch.float16
     assert x.grad.item() == 2050.0
+
+
+# --- the portable backend, forced ------------------------------------------------------------
+
+
+def test_backend_reports_what_serves_cpu():
+    import os
+
+    backend = kt_regroup.backend("cpu")
+    assert backend in ("cpp", "reference")
+    if os.environ.get("KT_REGROUP_BACKEND") == "reference":
+        assert backend == "reference"
+
+
+@pytest.mark.skipif(
+    kt_regroup.backend("cpu") == "reference",
+    reason="this run already uses the portable kernels and their Python autograd",
+)
+def test_forced_reference_backend_passes_op_and_autograd_tests(tmp_path):
+    # With the native kernel loaded, its C++ autograd replaces the Python one: rerun
+    # the op, opcheck, gradient and compile tests with KT_REGROUP_BACKEND=reference so
+    # the fallback that users without a compiler get is covered too.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    tests = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ, KT_REGROUP_BACKEND="reference")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tests.parent), env.get("PYTHONPATH")]))
+    select = "opcheck or gradcheck or backward or gradients or compile_fullgraph or backend_reports or parity"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            select,
+            str(tests / "test_ops.py"),
+            str(tests / "test_module.py"),
+        ],
+        check=False,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
