@@ -405,3 +405,28 @@ def test_torch_export_with_dynamic_batch(warm):
         torch.testing.assert_close(ep.module()(values), model(values))
     # the eager module was not left holding fake tensors
     assert not model.model.regroup._permutes.__class__.__name__.startswith("Fake")
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_module_under_no_grad_and_inference_mode(mode):
+    layout = LAYOUTS["seed2"]
+    m = KTRegroupAsDict(layout.groups, _names(layout))
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for batch in (3, 0):
+        values = make_values(layout, batch)
+        with ctx():
+            out = m(keyed_tensors(layout, values))
+        _check_dict(out, values, layout)
+    # the plan built under inference mode still serves a training step afterwards
+    xs = [v.requires_grad_() for v in make_values(layout, 2)]
+    out = m(keyed_tensors(layout, xs))
+    sum(t.sum() for t in out.values()).backward()
+    assert all(x.grad is not None and x.grad.shape == x.shape for x in xs)
+
+
+def test_module_backward_with_empty_batch():
+    layout = SMALL_LAYOUT
+    xs = make_values(layout, 0, requires_grad=True)
+    out = KTRegroupAsDict(layout.groups, _names(layout))(keyed_tensors(layout, xs))
+    sum(t.sum() for t in out.values()).backward()
+    assert [tuple(x.grad.shape) for x in xs] == [(0, 10), (0, 131)]
