@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--budget_s", type=float, default=None,
                      help="seconds of timed calls per provider and cell: slow providers get "
                      "fewer samples (default 3; quick 0.05)")
+    run.add_argument("--time_limit_s", type=float, default=None,
+                     help="soft limit for the whole run, THP subprocess included: cells end "
+                     "after the round that passes their share (every provider keeps >= 1 "
+                     "sample); 0 = none (default 540; quick: none)")
     run.add_argument("--providers", default=None,
                      help="comma-separated substrings of provider names (or a family: "
                      "kt_regroup, torchrec, fbgemm, limit) to run; default all")
@@ -76,12 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--allocator", choices=["both", "default", "thp"], default="both",
                      help=f"CPU allocator settings: 'both' reruns in a subprocess with {THP_ENV}=1")
     run.add_argument("--thp_all", action="store_true",
-                     help="include the FBGEMM-backed providers in the THP run (slow: ~+2 min)")
+                     help="include the FBGEMM-backed and reference-kernel rows in the THP run "
+                     "(slow: ~+2 min)")
     run.add_argument("--no_serving", action="store_true", help="skip the serving table")
     run.add_argument("--serving_repeats", type=int, default=None,
-                     help="timed samples per serving row (default 15; quick 3)")
+                     help="timed samples per serving row (default 10; quick 3)")
     run.add_argument("--serving_sample_s", type=float, default=None,
-                     help="seconds per serving sample (many calls each; default 0.05)")
+                     help="seconds per serving sample (many calls each; default 0.04)")
     run.add_argument("--output", metavar="DIR", default="bench_results",
                      help="where results.json, results.csv, runtime.png and table.md go")
     run.add_argument("--no_progress", action="store_true", help="no tqdm progress bar")
@@ -185,12 +190,12 @@ def _common(layout, device, device_name, threads, allocator, suite, mode, grad_m
     }
 
 
-def _run_thp_child(argv: List[str], args, out_dir: str) -> Dict[str, Any]:
+def _run_thp_child(argv: List[str], args, out_dir: str, time_limit_s: float) -> Dict[str, Any]:
     child_dir = os.path.join(out_dir, "thp")
     os.makedirs(child_dir, exist_ok=True)
-    skip = _split(args.skip) + ([] if args.thp_all else ["fbgemm"])
+    skip = _split(args.skip) + ([] if args.thp_all else ["fbgemm", "reference kernel"])
     cmd = [sys.executable, "-m", "kt_regroup.bench", *argv, "--allocator", "thp", "--no_serving",
-           "--output", child_dir, "--_child"]
+           "--output", child_dir, "--_child", "--time_limit_s", f"{time_limit_s:.0f}"]
     if skip:
         cmd += ["--skip", ",".join(skip)]
     env = dict(os.environ, **{THP_ENV: "1"})
@@ -226,8 +231,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     quick = args.preset == "quick"
     repeats = args.repeats or (3 if quick else 10)
     budget_s = args.budget_s if args.budget_s is not None else (0.05 if quick else 3.0)
-    serving_repeats = args.serving_repeats or (3 if quick else 15)
-    serving_sample_s = args.serving_sample_s or (0.01 if quick else 0.05)
+    serving_repeats = args.serving_repeats or (3 if quick else 10)
+    serving_sample_s = args.serving_sample_s or (0.01 if quick else 0.04)
+    time_limit_s = args.time_limit_s if args.time_limit_s is not None else (0 if quick else 540)
     device = torch.device(args.device_type)
     dtype = _DTYPES[args.dtype]
     allocator = "thp" if os.environ.get(THP_ENV) == "1" else "default"
@@ -246,7 +252,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "fbgemm" not in {p.family for p in make_providers(device)}:
         notes.append("fbgemm_gpu's permute_multi_embedding ops are not available: FBGEMM rows skipped")
 
-    progress = _progress(args.no_progress or args._child and False)
+    progress = _progress(args.no_progress)
     records: List[Dict[str, Any]] = []
     modes = {"true": [FORWARD_BACKWARD], "false": [FORWARD], "both": [FORWARD, FORWARD_BACKWARD]}[
         args.run_backward
@@ -256,22 +262,39 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.allocator = "default"  # THP_MEM_ALLOC_ENABLE is a CPU allocator setting
     slow_history: Dict[str, float] = {}
     main_layouts = [] if args.preset == "serving" else _layouts(args, dtype)
+    serving = not args.no_serving and not args._child
+    thp_child = (device.type == "cpu" and not args._child and bool(main_layouts)
+                 and (args.allocator == "both" or (args.allocator == "thp" and allocator != "thp")))
+    # Time plan: serving is bounded by its repeats; the main cells share what is left
+    # with the THP subprocess (fewer rows, no serving), forward+backward weighing double.
+    end = t_start + time_limit_s if time_limit_s > 0 else None
+    main_end = None
+    if end is not None:
+        main_end = end - (serving_repeats * serving_sample_s * 4 * len(providers) * 1.3 if serving else 0)
+        if thp_child:
+            main_end = t_start + (main_end - t_start) * 0.6
+    cells = [(mode, layout) for mode in modes for layout in main_layouts] if run_here else []
+    weights = [2.0 if mode == FORWARD_BACKWARD else 1.0 for mode, _ in cells]
     if run_here:
-        for mode in modes:
-            for layout in main_layouts:
-                progress.set_description(
-                    f"{allocator} {mode} {'dup' if layout.has_duplicates else 'no-dup'}"
-                )
-                cell = Cell(layout, device, mode, seed=args.seed)
-                recs = run_cell(
-                    cell, providers, repeats=repeats, min_repeats=args.min_repeats,
-                    budget_s=budget_s, probe=probe, slow_history=slow_history, progress=progress,
-                )
-                common = _common(layout, device, device_name, threads, allocator, "main", mode)
-                records += [{**common, **r} for r in recs]
-                del cell
-                gc.collect()
-        if not args.no_serving and not args._child:
+        for i, (mode, layout) in enumerate(cells):
+            progress.set_description(
+                f"{allocator} {mode} {'dup' if layout.has_duplicates else 'no-dup'}"
+            )
+            deadline = None
+            if main_end is not None:
+                now = time.perf_counter()
+                deadline = now + max(0.0, main_end - now) * weights[i] / sum(weights[i:])
+            cell = Cell(layout, device, mode, seed=args.seed)
+            recs = run_cell(
+                cell, providers, repeats=repeats, min_repeats=args.min_repeats,
+                budget_s=budget_s, probe=probe, slow_history=slow_history, deadline=deadline,
+                progress=progress,
+            )
+            common = _common(layout, device, device_name, threads, allocator, "main", mode)
+            records += [{**common, **r} for r in recs]
+            del cell
+            gc.collect()
+        if serving:
             # autograd first: its plan tensors are ordinary tensors, usable in both modes
             for grad_mode in ("autograd", "inference_mode"):
                 for layout in _serving_layouts(args, dtype):
@@ -291,16 +314,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     progress.close()
 
     child_meta = None
-    if (device.type == "cpu" and not args._child and main_layouts
-            and (args.allocator == "both" or (args.allocator == "thp" and allocator != "thp"))):
-        child_argv = [a for a in argv]
-        child = _run_thp_child(child_argv, args, args.output)
+    if thp_child:
+        left = (end - time.perf_counter()) if end is not None else 0.0
+        child = _run_thp_child(list(argv), args, args.output, max(60.0, left) if end else 0.0)
         records += child["records"]
         child_meta = {k: child.get(k) for k in ("memory_method", "wall_s")}
         if not args.thp_all:
             notes.append(
-                f"the {THP_ENV}=1 run skips the FBGEMM-backed rows to fit the time budget "
-                "(--thp_all includes them)"
+                f"the {THP_ENV}=1 run skips the FBGEMM-backed and reference-kernel rows to fit "
+                "the time limit (--thp_all includes them)"
             )
 
     meta: Dict[str, Any] = {

@@ -182,9 +182,15 @@ def run_cell(
     probe: MemoryProbe,
     slow_history: Dict[str, float],
     slow_s: float = 1.0,
+    deadline: Optional[float] = None,
     progress=None,
 ) -> List[Dict[str, Any]]:
-    """Times every provider on ``cell``, round-robin; one record per provider."""
+    """Times every provider on ``cell``, round-robin; one record per provider.
+
+    ``deadline`` (a ``time.perf_counter()`` value) ends the cell after the first round
+    that finishes past it: every provider keeps at least one sample, and the records
+    say which were cut short (``cut_by_time_limit``).
+    """
     states = [_State(p) for p in providers]
     for st in states:
         try:
@@ -234,9 +240,13 @@ def run_cell(
         progress.refresh()
 
     r = 0
+    cut = False
     while True:
         pending = [st for st in live if st.error is None and len(st.times) < st.target]
         if not pending:
+            break
+        if r > 0 and deadline is not None and time.perf_counter() > deadline:
+            cut = True
             break
         shift = r % len(live)
         for st in live[shift:] + live[:shift]:
@@ -271,8 +281,13 @@ def run_cell(
                 "mem_p90_bytes": percentile([float(m) for m in st.mems], 90) if st.mems else None,
                 "check": st.check,
                 "error": st.error,
+                "target_n": st.target,
+                "cut_by_time_limit": cut and st.error is None and len(st.times) < st.target,
             }
         )
+    if progress is not None and cut:
+        progress.total -= sum(max(0, st.target - len(st.times)) for st in live if st.error is None)
+        progress.refresh()
     return records
 
 

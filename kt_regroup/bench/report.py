@@ -139,7 +139,8 @@ def markdown(records: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
                     lines.append(
                         common + f"| {t50} | {t90} | {_fmt(r['mem_p90_mb'], '.1f')} "
                         f"| {_fmt(r['gbps'], '.1f')} | {_fmt(r['vs_clone'], '.2f')} "
-                        f"| {_fmt(r['vs_copy'], '.2f')} | {_fmt(r['vs_kt_regroup'], '.2f')} | {r['n']} |"
+                        f"| {_fmt(r['vs_copy'], '.2f')} | {_fmt(r['vs_kt_regroup'], '.2f')} "
+                        f"| {r['n']}{'*' if r.get('cut_by_time_limit') else ''} |"
                     )
     lines.append("")
     lines.append(
@@ -148,7 +149,8 @@ def markdown(records: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
         "/ P50; ratios = this row's P50 / that row's P50 in the same table and dup setting; "
         f"kt_regroup = the {KT_REGROUP_BASELINE} row; limit: clone = fresh copy of the output "
         "bytes (+ of the input bytes in forward+backward), limit: copy_ = the same bytes into "
-        "existing buffers."
+        "existing buffers. n* = fewer samples than planned: the cell reached its share of "
+        "--time_limit_s."
     )
     for note in meta.get("notes", []):
         lines.append(f"Note: {note}")
