@@ -500,20 +500,23 @@ void backward_rows(
           continue;
         }
         scalar_t* d = reinterpret_cast<scalar_t*>(dst);
+        auto row = [&](int64_t k) {
+          return reinterpret_cast<const scalar_t*>(src[k].src + b * src[k].src_stride);
+        };
         if constexpr (kReduced) {
           // float32 accumulation in row order, rounded once: what the reference does.
           float* a = acc.data();
-          const scalar_t* s0 = reinterpret_cast<const scalar_t*>(src[0].src + b * src[0].src_stride);
+          const scalar_t* s0 = row(0);
           for (int64_t c = 0; c < g.numel; ++c) a[c] = static_cast<float>(s0[c]);
           for (int64_t k = 1; k < g.count; ++k) {
-            const scalar_t* s = reinterpret_cast<const scalar_t*>(src[k].src + b * src[k].src_stride);
+            const scalar_t* s = row(k);
             for (int64_t c = 0; c < g.numel; ++c) a[c] += static_cast<float>(s[c]);
           }
           for (int64_t c = 0; c < g.numel; ++c) d[c] = static_cast<scalar_t>(a[c]);
         } else {
           std::memcpy(dst, src[0].src + b * src[0].src_stride, nbytes);
           for (int64_t k = 1; k < g.count; ++k) {
-            const scalar_t* s = reinterpret_cast<const scalar_t*>(src[k].src + b * src[k].src_stride);
+            const scalar_t* s = row(k);
             for (int64_t c = 0; c < g.numel; ++c) d[c] += s[c];
           }
         }

@@ -1,0 +1,446 @@
+"""The native CPU kernels (``kt_regroup/csrc``) against the portable reference kernel.
+
+The reference functions are called directly (they are the oracle); the ops dispatch to
+the C++ kernels. Forward results and fp32/fp64 gradients must be bit-identical, and so
+must float16/bfloat16 gradients of duplicated keys (both accumulate in float32 in row
+order and round once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import SMALL_LAYOUT, WIDTHS, assert_same_list, make_values, random_layout
+
+import kt_regroup
+from kt_regroup.kernels import cpu
+from kt_regroup.kernels.reference import (
+    permute_multi_embedding_backward_reference,
+    permute_multi_embedding_reference,
+)
+from kt_regroup.plan import RegroupPlan
+
+OP = torch.ops.kt_regroup.permute_multi_embedding
+BACKWARD_OP = torch.ops.kt_regroup.permute_multi_embedding_backward
+
+
+def _has_kernel(key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        "kt_regroup::permute_multi_embedding", key
+    )
+
+
+needs_cpu_kernel = pytest.mark.skipif(
+    not _has_kernel("CPU"), reason="the native CPU kernel is not built/loaded"
+)
+needs_cpp_autograd = pytest.mark.skipif(
+    not (_has_kernel("CPU") and _has_kernel("Autograd")),
+    reason="the C++ autograd kernel is not loaded",
+)
+
+LAYOUTS = [random_layout(s) for s in range(6)] + [
+    random_layout(10, n_inputs=1, keys_per_input=(5, 8), n_groups=2),
+    random_layout(11, n_inputs=4, keys_per_input=(1, 2), n_groups=5),
+    SMALL_LAYOUT,
+]
+LAYOUT_IDS = [f"seed{s}" for s in range(6)] + ["one-input", "many-groups", "small"]
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+dtype_ids = lambda d: str(d).replace("torch.", "")
+
+
+def _metadata(layout, coalesced: bool, index_dtype=torch.int32):
+    plan = RegroupPlan.build(*layout)
+    permutes, in_shapes, out_shapes = plan.tensors(coalesced=coalesced)
+    return (
+        permutes.to(index_dtype),
+        in_shapes.to(index_dtype),
+        out_shapes.to(index_dtype),
+        plan.out_lengths,
+    )
+
+
+def _values(layout, batch, dtype, noncontiguous=False, seed=0):
+    if dtype in (torch.int8, torch.uint8):
+        gen = torch.Generator().manual_seed(seed)
+        lo, hi = (-128, 128) if dtype == torch.int8 else (0, 256)
+        vals = [torch.randint(lo, hi, (batch, w), generator=gen, dtype=dtype)
+                for w in layout.in_widths]
+        if noncontiguous:
+            vals = [torch.cat([v, v], 1)[:, v.size(1):] if v.numel() else v for v in vals]
+        return vals
+    return make_values(layout, batch, dtype, noncontiguous=noncontiguous, seed=seed)
+
+
+# --- forward ----------------------------------------------------------------------------
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("batch", [0, 1, 5, 33])
+@pytest.mark.parametrize(
+    "dtype", FLOAT_DTYPES + [torch.int8, torch.uint8], ids=dtype_ids
+)
+def test_forward_is_bit_identical_to_reference(layout, batch, dtype):
+    for noncontiguous in (False, True):
+        values = _values(layout, batch, dtype, noncontiguous, seed=batch)
+        for coalesced in (False, True):
+            args = _metadata(layout, coalesced)
+            got = OP(values, *args)
+            want = permute_multi_embedding_reference(values, *args)
+            assert_same_list(got, want)
+            assert all(o.is_contiguous() and o.dtype == dtype for o in got)
+
+
+@needs_cpu_kernel
+def test_forward_accepts_int64_metadata_and_odd_strides():
+    layout = SMALL_LAYOUT
+    base = torch.randn(9, 400)
+    # Rows 3 apart, columns contiguous: a strided view read without a copy.
+    values = [base[::3, 5:15], base[::3, 100:231]]
+    assert not values[0].is_contiguous()
+    # Transposed storage: column stride != 1.
+    values_t = [v.t().contiguous().t() for v in values]
+    for vals in (values, values_t):
+        args = _metadata(layout, coalesced=False, index_dtype=torch.int64)
+        assert_same_list(OP(vals, *args), permute_multi_embedding_reference(vals, *args))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("width", WIDTHS)
+def test_forward_untiled_plans_zero_the_gaps_and_keep_row_order(width):
+    # Gaps (output columns no row writes) and overlapping writes (later rows win).
+    x = torch.randn(7, width + 4)
+    permutes = torch.tensor(
+        [
+            [0, 0, 0, 2, width, 0],  # columns 0:2 of output 0 are a gap
+            [0, 0, 1, 3, min(width, 2), 0],  # overlaps the previous row
+            [0, 1, 4, 1, width, 0],
+        ],
+        dtype=torch.int32,
+    )
+    out_lengths = [width + 4, width + 3]
+    args = (permutes, torch.tensor([width + 4]), torch.tensor(out_lengths), out_lengths)
+    # Poison the allocator so an unzeroed gap would show.
+    garbage = torch.full((1 << 15,), float("nan"))
+    del garbage
+    got = OP([x], *args)
+    want = permute_multi_embedding_reference([x], *args)
+    assert_same_list(got, want)
+    assert torch.equal(got[0][:, :2], torch.zeros(7, 2))
+
+
+# --- backward ---------------------------------------------------------------------------
+
+
+def _grads(out_lengths, batch, dtype, seed, none_at=()):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        None if j in none_at
+        else torch.randn(batch, n, generator=gen, dtype=torch.float64).to(dtype)
+        for j, n in enumerate(out_lengths)
+    ]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("batch", [0, 1, 5, 33])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_ids)
+def test_backward_is_bit_identical_to_reference(layout, batch, dtype):
+    plan = RegroupPlan.build(*layout)
+    for coalesced in (False, True):
+        permutes, in_shapes, out_shapes, out_lengths = _metadata(layout, coalesced)
+        for none_at in ((), (0,), tuple(range(len(out_lengths)))):
+            grads = _grads(out_lengths, batch, dtype, seed=batch + len(none_at), none_at=none_at)
+            args = (permutes, in_shapes, out_shapes, plan.in_lengths, batch, dtype)
+            got = BACKWARD_OP(grads, *args)
+            want = permute_multi_embedding_backward_reference(grads, *args)
+            assert_same_list(got, want)
+
+
+@needs_cpu_kernel
+def test_backward_strided_and_mixed_dtype_gradients_match_reference():
+    layout = SMALL_LAYOUT
+    plan = RegroupPlan.build(*layout)
+    permutes, in_shapes, out_shapes, out_lengths = _metadata(layout, coalesced=False)
+    args = (permutes, in_shapes, out_shapes, plan.in_lengths, 6)
+    # Non-contiguous gradients: transposed storage, and an expanded (stride 0) row.
+    strided = [torch.randn(n, 6).t() for n in out_lengths]
+    expanded = [torch.randn(1, n).expand(6, n) for n in out_lengths]
+    for grads in (strided, expanded):
+        got = BACKWARD_OP(grads, *args, torch.float32)
+        want = permute_multi_embedding_backward_reference(grads, *args, torch.float32)
+        assert_same_list(got, want)
+    # float32 gradients of a bfloat16 input: the portable algorithm's promotion rules.
+    grads = _grads(out_lengths, 6, torch.float32, seed=1)
+    got = BACKWARD_OP(grads, *args, torch.bfloat16)
+    assert_same_list(got, permute_multi_embedding_backward_reference(grads, *args, torch.bfloat16))
+    # Integer "gradients" (the op is usable as a scatter-add): wrap like the reference.
+    grads = [torch.randint(-100, 100, (6, n), dtype=torch.int8) for n in out_lengths]
+    got = BACKWARD_OP(grads, *args, torch.int8)
+    assert_same_list(got, permute_multi_embedding_backward_reference(grads, *args, torch.int8))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=dtype_ids)
+def test_autograd_gradients_are_exact(dtype):
+    for layout in LAYOUTS:
+        values = make_values(layout, 5, dtype, requires_grad=True, seed=7)
+        args = _metadata(layout, coalesced=True)
+        outs = OP(values, *args)
+        grads = _grads(args[3], 5, dtype, seed=8)
+        torch.autograd.backward(outs, grads)
+        plan = RegroupPlan.build(*layout)
+        want = permute_multi_embedding_backward_reference(
+            grads, *args[:3], plan.in_lengths, 5, dtype
+        )
+        assert_same_list([v.grad for v in values], want)
+
+
+@needs_cpu_kernel
+def test_unused_keys_get_exact_zero_gradients():
+    layout = SMALL_LAYOUT  # 'b' (input 0, columns 3:10) is used by no group
+    for dtype in FLOAT_DTYPES:
+        garbage = torch.full((1 << 15,), float("nan"), dtype=dtype)
+        del garbage
+        values = make_values(layout, 4, dtype, requires_grad=True)
+        outs = OP(values, *_metadata(layout, coalesced=True))
+        # Only one output contributes: the other outputs' keys get zeros too.
+        outs[0].sum().backward()
+        assert torch.equal(values[0].grad[:, 3:], torch.zeros(4, 7, dtype=dtype))
+        assert torch.equal(values[1].grad[:, 4:], torch.zeros(4, 127, dtype=dtype))
+
+
+@needs_cpu_kernel
+def test_gradcheck_float64():
+    layout = SMALL_LAYOUT
+    values = make_values(layout, 3, torch.float64, requires_grad=True)
+    args = _metadata(layout, coalesced=False)
+    assert torch.autograd.gradcheck(lambda *v: OP(list(v), *args), values)
+
+
+@needs_cpp_autograd
+def test_plan_tensors_made_under_inference_mode_work_with_autograd():
+    layout = SMALL_LAYOUT
+    with torch.inference_mode():
+        args = _metadata(layout, coalesced=True)
+    values = make_values(layout, 2, requires_grad=True)
+    outs = OP(values, *args)
+    sum(o.sum() for o in outs).backward()
+    assert values[1].grad[:, 0].eq(3).all()  # 'c': twice in group 0, once in group 2
+
+
+@needs_cpp_autograd
+def test_autograd_kernel_is_cpp_and_backward_is_an_op():
+    values = make_values(SMALL_LAYOUT, 2, requires_grad=True)
+    outs = OP(values, *_metadata(SMALL_LAYOUT, coalesced=True))
+    assert type(outs[0].grad_fn).__name__ == "CppFunction"
+    from torch.profiler import profile
+
+    with profile() as prof:
+        outs[0].sum().backward()
+    names = {e.name for e in prof.events()}
+    assert "kt_regroup::permute_multi_embedding_backward" in names
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+def _bad_cases():
+    layout = SMALL_LAYOUT
+    values = make_values(layout, 2)
+    permutes, in_shapes, out_shapes, out_lengths = _metadata(layout, coalesced=False)
+
+    def with_row(r, col, v, dtype=torch.int32):
+        p = permutes.to(dtype).clone()
+        p[r, col] = v
+        return p
+
+    big = 1 << 62
+    meta = (in_shapes, out_shapes, out_lengths)
+    wide, tall = values[1].double(), torch.randn(3, 131)
+
+    def call(vals=values, p=permutes, i=in_shapes, o=out_shapes, n=out_lengths):
+        return (vals, p, i, o, n)
+
+    return {
+        "in_tensor out of range": ("in_tensor=5", (values, with_row(1, 0, 5), *meta)),
+        "out_tensor negative": ("out_tensor=-1", (values, with_row(2, 1, -1), *meta)),
+        "negative length": ("negative length -3", (values, with_row(0, 4, -3), *meta)),
+        "read overflow": ("permutes[3] reads", (values, with_row(3, 2, 100), *meta)),
+        "int64 offset overflow": ("permutes[0] reads", (values, _overflow(permutes, big), *meta)),
+        "in_shapes mismatch": ("in_shapes[1]=9", call(i=torch.tensor([10, 9]).int())),
+        "in_shapes count": ("in_shapes must have one entry", call(i=in_shapes[:1])),
+        "out_shapes mismatch": ("out_shapes[0]", call(o=out_shapes + 1)),
+        "negative out_lengths": ("out_lengths[2] is negative", call(n=out_lengths[:2] + [-1])),
+        "permutes shape": ("permutes must have shape", call(p=permutes[:, :5])),
+        "permutes dtype": ("permutes must be int32 or int64", call(p=permutes.float())),
+        "dtype mix": ("pooled_embs[1] is torch.float64", call(vals=[values[0], wide])),
+        "batch mix": ("pooled_embs[1] has batch size 3", call(vals=[values[0], tall])),
+        "not 2-D": ("pooled_embs[0] must be 2-D", call(vals=[values[0][0], values[1]])),
+        "empty": ("pooled_embs is empty", call(vals=[])),
+    }
+
+
+def _overflow(permutes, big):
+    # in_offset + length overflows int64 if summed naively.
+    p = permutes.to(torch.int64).clone()
+    p[0, 2] = big
+    p[0, 4] = big
+    return p
+
+
+BAD = _bad_cases()
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_inputs_raise_like_the_reference(case):
+    culprit, args = BAD[case]
+    with pytest.raises((ValueError, TypeError)) as ours:
+        OP(*args)
+    assert culprit in str(ours.value)
+    with pytest.raises((ValueError, TypeError)) as ref:
+        permute_multi_embedding_reference(*args)
+    assert type(ours.value) is type(ref.value)
+    assert str(ours.value) == str(ref.value)
+
+
+@needs_cpu_kernel
+def test_bad_backward_inputs_raise_like_the_reference():
+    plan = RegroupPlan.build(*SMALL_LAYOUT)
+    permutes, in_shapes, out_shapes, out_lengths = _metadata(SMALL_LAYOUT, coalesced=False)
+    grads = _grads(out_lengths, 2, torch.float32, seed=0)
+    meta = (permutes, in_shapes, out_shapes)
+    f32 = torch.float32
+    cases = [
+        ([grads[0], torch.randn(2, 5), grads[2]], *meta, plan.in_lengths, 2, f32),
+        (grads, *meta, [10, 130], 2, f32),
+        (grads, *meta, plan.in_lengths, 3, f32),
+        ([grads[0], grads[1].half(), grads[2]], *meta, plan.in_lengths, 2, f32),
+    ]
+    for args in cases:
+        with pytest.raises((ValueError, TypeError)) as ours:
+            BACKWARD_OP(*args)
+        with pytest.raises((ValueError, TypeError)) as ref:
+            permute_multi_embedding_backward_reference(*args)
+        assert type(ours.value) is type(ref.value)
+        assert str(ours.value) == str(ref.value)
+
+
+# --- opcheck / compile ------------------------------------------------------------------
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize(
+    "dtype,batch,noncontiguous",
+    [(torch.float32, 5, False), (torch.float32, 0, False), (torch.bfloat16, 3, True),
+     (torch.float64, 1, True), (torch.float16, 4, False)],
+    ids=["fp32", "empty-batch", "bf16-strided", "fp64-batch1", "fp16"],
+)
+def test_opcheck(dtype, batch, noncontiguous):
+    layout = SMALL_LAYOUT
+    values = make_values(layout, batch, dtype, noncontiguous, requires_grad=True)
+    args = _metadata(layout, coalesced=False)
+    torch.library.opcheck(OP.default, (values, *args))
+    plan = RegroupPlan.build(*layout)
+    grads = _grads(args[3], batch, dtype, seed=2, none_at=(2,))
+    torch.library.opcheck(
+        BACKWARD_OP.default, (grads, *args[:3], plan.in_lengths, batch, dtype)
+    )
+
+
+@needs_cpu_kernel
+def test_compiled_forward_and_backward_match_eager():
+    layout = SMALL_LAYOUT
+    args = _metadata(layout, coalesced=True)
+
+    def f(a, b):
+        outs = OP([a, b], *args)
+        return outs[0] * 2 + 1, outs[1].sin()
+
+    compiled = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
+    for batch in (3, 8):
+        eager_in = make_values(layout, batch, requires_grad=True, seed=batch)
+        comp_in = [v.detach().clone().requires_grad_() for v in eager_in]
+        e, c = f(*eager_in), compiled(*comp_in)
+        assert_same_list(list(c), list(e))
+        sum(o.sum() for o in e).backward()
+        sum(o.sum() for o in c).backward()
+        assert_same_list([v.grad for v in comp_in], [v.grad for v in eager_in])
+
+
+# --- loader / fallback ------------------------------------------------------------------
+
+
+@needs_cpu_kernel
+def test_loaded_extension_records_its_torch_version():
+    assert kt_regroup.backend("cpu") == "cpp"
+    path = cpu.loaded_path()
+    assert path is not None and path.is_file()
+    built = cpu.built_with_torch(path)
+    assert built == torch.__version__.split("+")[0]
+
+
+def _run_python(code: str, **env) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env=full_env, timeout=300,
+    )
+
+
+PROBE = """
+    import json, torch, kt_regroup
+    a, b = torch.randn(2, 5, requires_grad=True), torch.randn(2, 4)
+    outs = kt_regroup.regroup_keyed_tensor([a, b], [["x", "y"], ["z"]], [[2, 3], [4]],
+                                           [["z", "x"], ["y", "x"]])
+    outs[1].sum().backward()
+    print(json.dumps({
+        "backend": kt_regroup.backend(),
+        "cpu_kernel": torch._C._dispatch_has_kernel_for_dispatch_key(
+            "kt_regroup::permute_multi_embedding", "CPU"),
+        "cuda_initialized": torch.cuda.is_initialized(),
+        "widths": [o.shape[1] for o in outs],
+        "grad_row": a.grad[0].tolist(),
+    }))
+"""
+
+
+def test_reference_backend_disables_the_extension():
+    proc = _run_python(PROBE, KT_REGROUP_BACKEND="reference")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["backend"] == "reference"
+    assert info["cpu_kernel"] is False
+    assert info["cuda_initialized"] is False
+    assert info["widths"] == [6, 5]
+    assert info["grad_row"] == [1.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_failed_build_falls_back_with_one_warning(tmp_path):
+    # An empty cache and no usable compiler: the package must still work.
+    proc = _run_python(
+        PROBE, KT_REGROUP_BACKEND="auto", KT_REGROUP_CACHE_DIR=str(tmp_path),
+        CXX="/nonexistent/c++",
+    )
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["backend"] == "reference"
+    assert info["grad_row"] == [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert proc.stderr.count("native CPU kernel unavailable") == 1, proc.stderr
+
+
+def test_required_backend_raises_when_the_build_fails(tmp_path):
+    proc = _run_python(
+        "import kt_regroup", KT_REGROUP_BACKEND="cpp", KT_REGROUP_CACHE_DIR=str(tmp_path),
+        CXX="/nonexistent/c++",
+    )
+    assert proc.returncode != 0
+    assert "native CPU kernel is required" in proc.stderr
