@@ -303,3 +303,183 @@ __all__ = [
     "regroup_keyed_tensor",
     "requested_backend",
 ]
+
+
+# --- fused cast and preallocated outputs (owner: native CPU kernel) -----------------------
+# Two ops the C++ CPU kernel serves natively (kt_regroup/csrc); the Python kernels below
+# are their portable fallback and test oracle.
+#
+# * permute_multi_embedding_to: the regroup with the outputs cast to ``dtype`` in the same
+#   pass (read fp32, write bf16), where casting every input first would read and write
+#   everything twice. ``dtype=None`` keeps the input dtype. Gradients come back in the
+#   input dtype.
+# * permute_multi_embedding_into: writes into caller-owned outputs (inference only, no
+#   autograd). ``outs[j]`` must be ``[batch, out_shapes[j]]`` with unit column stride, in
+#   the inputs' dtype, and must not overlap the inputs; its contents are overwritten
+#   (columns no row writes become zeros).
+
+_lib.define(
+    "permute_multi_embedding_to(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
+    "Tensor out_shapes, SymInt[] out_lengths, ScalarType? dtype=None) -> Tensor[]"
+)
+_lib.define(
+    "permute_multi_embedding_into(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
+    "Tensor out_shapes, Tensor(a!)[] outs) -> ()"
+)
+
+
+def _permute_multi_embedding_to_reference(
+    pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype=None
+):
+    from kt_regroup.kernels.validation import check_permute_rows
+
+    check_permute_rows(
+        "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths
+    )
+    outs = permute_multi_embedding_reference(
+        pooled_embs, permutes, in_shapes, out_shapes, out_lengths
+    )
+    return outs if dtype is None else [o.to(dtype) for o in outs]
+
+
+def _check_into_outs(pooled_embs, permutes, in_shapes, out_shapes, outs) -> List[int]:
+    from kt_regroup.kernels.validation import check_permute_rows
+
+    op = "permute_multi_embedding_into"
+    for j, o in enumerate(outs):
+        if o.dim() != 2:
+            raise ValueError(
+                f"kt_regroup.{op}: outs[{j}] must be 2-D [batch, width], got shape "
+                f"{tuple(o.shape)}"
+            )
+    out_lengths = [int(o.size(1)) for o in outs]
+    check_permute_rows(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths)
+    first = pooled_embs[0]
+    for j, o in enumerate(outs):
+        if o.size(0) != first.size(0):
+            raise ValueError(
+                f"kt_regroup.{op}: outs[{j}] must have shape ({first.size(0)}, "
+                f"{out_lengths[j]}), got shape {tuple(o.shape)}"
+            )
+        if o.dtype != first.dtype:
+            raise TypeError(
+                f"kt_regroup.{op}: outs[{j}] is {o.dtype} but pooled_embs[0] is {first.dtype}"
+            )
+        if o.device != first.device:
+            raise ValueError(
+                f"kt_regroup.{op}: outs[{j}] is on {o.device} but pooled_embs[0] is on "
+                f"{first.device}"
+            )
+        if o.size(1) > 1 and o.stride(1) != 1:
+            raise ValueError(
+                f"kt_regroup.{op}: outs[{j}] must have unit column stride, got strides "
+                f"({o.stride(0)}, {o.stride(1)})"
+            )
+    return out_lengths
+
+
+def _permute_multi_embedding_into_reference(pooled_embs, permutes, in_shapes, out_shapes, outs):
+    out_lengths = _check_into_outs(pooled_embs, permutes, in_shapes, out_shapes, outs)
+    results = permute_multi_embedding_reference(
+        pooled_embs, permutes, in_shapes, out_shapes, out_lengths
+    )
+    for o, r in zip(outs, results):
+        o.copy_(r)
+
+
+_lib.impl(
+    "permute_multi_embedding_to", _permute_multi_embedding_to_reference, "CompositeExplicitAutograd"
+)
+_lib.impl(
+    "permute_multi_embedding_into",
+    _permute_multi_embedding_into_reference,
+    "CompositeExplicitAutograd",
+)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_to", lib=_lib)
+def _permute_multi_embedding_to_fake(
+    pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype=None
+):
+    op = "permute_multi_embedding_to"
+    check_tensor_list(op, "pooled_embs", pooled_embs)
+    check_metadata(op, permutes, in_shapes, out_shapes, len(pooled_embs), out_lengths)
+    first = pooled_embs[0]
+    _check_not_meta_only(op, (permutes, in_shapes, out_shapes), "pooled_embs[0]", first)
+    return [first.new_empty(first.size(0), n, dtype=dtype or first.dtype) for n in out_lengths]
+
+
+@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_into", lib=_lib)
+def _permute_multi_embedding_into_fake(pooled_embs, permutes, in_shapes, out_shapes, outs):
+    op = "permute_multi_embedding_into"
+    check_tensor_list(op, "pooled_embs", pooled_embs)
+    check_metadata(
+        op, permutes, in_shapes, out_shapes, len(pooled_embs), [o.size(-1) for o in outs]
+    )
+    _check_not_meta_only(op, (permutes, in_shapes, out_shapes), "pooled_embs[0]", pooled_embs[0])
+
+
+def _setup_context_to(ctx, inputs, output):
+    pooled_embs, permutes, in_shapes, out_shapes, _, _ = inputs
+    ctx.save_for_backward(permutes, in_shapes, out_shapes)
+    ctx.in_lengths = [t.size(1) for t in pooled_embs]
+    ctx.batch_size = pooled_embs[0].size(0)
+    ctx.dtype = pooled_embs[0].dtype
+
+
+def _backward_to(ctx, grads):
+    permutes, in_shapes, out_shapes = ctx.saved_tensors
+    grad_inputs = torch.ops.kt_regroup.permute_multi_embedding_backward(
+        list(grads), permutes, in_shapes, out_shapes, ctx.in_lengths, ctx.batch_size, ctx.dtype
+    )
+    return grad_inputs, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    f"{NAMESPACE}::permute_multi_embedding_to",
+    _backward_to,
+    setup_context=_setup_context_to,
+    lib=_lib,
+)
+
+
+def permute_multi_embedding_to(
+    pooled_embs: List[torch.Tensor],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    out_lengths: List[int],
+    dtype: torch.dtype | None = None,
+) -> List[torch.Tensor]:
+    """:func:`permute_multi_embedding` with the outputs cast to ``dtype`` in the same pass.
+
+    Example::
+
+        >>> x = torch.randn(2, 4)
+        >>> p, i, o = RegroupPlan.build([["a", "b"]], [[1, 3]], [["b"]]).tensors()
+        >>> permute_multi_embedding_to([x], p, i, o, [3], torch.bfloat16)[0].dtype
+        torch.bfloat16
+    """
+    return torch.ops.kt_regroup.permute_multi_embedding_to(
+        pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype
+    )
+
+
+def permute_multi_embedding_into(
+    pooled_embs: List[torch.Tensor],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    outs: List[torch.Tensor],
+) -> None:
+    """Writes the regroup into caller-owned ``outs`` (inference; no autograd).
+
+    ``outs`` alias nothing the caller still reads: each is overwritten in full, and must
+    not overlap ``pooled_embs``.
+    """
+    torch.ops.kt_regroup.permute_multi_embedding_into(
+        pooled_embs, permutes, in_shapes, out_shapes, outs
+    )
+
+
+__all__ += ["permute_multi_embedding_into", "permute_multi_embedding_to"]

@@ -444,3 +444,84 @@ def test_required_backend_raises_when_the_build_fails(tmp_path):
     )
     assert proc.returncode != 0
     assert "native CPU kernel is required" in proc.stderr
+
+
+# --- fused cast / preallocated outputs --------------------------------------------------
+
+TO_OP = torch.ops.kt_regroup.permute_multi_embedding_to
+INTO_OP = torch.ops.kt_regroup.permute_multi_embedding_into
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("src", FLOAT_DTYPES + [torch.int8], ids=dtype_ids)
+@pytest.mark.parametrize(
+    "dst", [None, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32],
+    ids=lambda d: "same" if d is None else dtype_ids(d),
+)
+def test_fused_cast_matches_cast_after_reference(src, dst):
+    from kt_regroup.ops import _permute_multi_embedding_to_reference
+
+    for layout in LAYOUTS[:4]:
+        for batch, noncontiguous in ((0, False), (5, True), (33, False)):
+            values = _values(layout, batch, src, noncontiguous, seed=batch)
+            args = _metadata(layout, coalesced=False)
+            got = TO_OP(values, *args, dst)
+            want = _permute_multi_embedding_to_reference(values, *args, dst)
+            assert_same_list(got, want)
+            assert all(g.dtype == (dst or src) for g in got)
+
+
+@needs_cpu_kernel
+def test_fused_cast_gradients_come_back_in_the_input_dtype():
+    layout = SMALL_LAYOUT
+    values = make_values(layout, 4, torch.float32, requires_grad=True)
+    args = _metadata(layout, coalesced=True)
+    outs = TO_OP(values, *args, torch.bfloat16)
+    grads = _grads(args[3], 4, torch.bfloat16, seed=3)
+    torch.autograd.backward(outs, grads)
+    plan = RegroupPlan.build(*layout)
+    want = permute_multi_embedding_backward_reference(
+        grads, *args[:3], plan.in_lengths, 4, torch.float32
+    )
+    assert_same_list([v.grad for v in values], want)
+    torch.library.opcheck(TO_OP.default, (values, *args, torch.bfloat16))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + [torch.uint8], ids=dtype_ids)
+def test_into_overwrites_preallocated_outputs_like_the_reference(dtype):
+    from kt_regroup.ops import _permute_multi_embedding_into_reference
+
+    for layout in LAYOUTS[:4]:
+        values = _values(layout, 6, dtype, noncontiguous=True, seed=1)
+        permutes, in_shapes, out_shapes, out_lengths = _metadata(layout, coalesced=False)
+        ours = [torch.full((6, n), 7).to(dtype) for n in out_lengths]
+        ref = [t.clone() for t in ours]
+        INTO_OP(values, permutes, in_shapes, out_shapes, ours)
+        _permute_multi_embedding_into_reference(values, permutes, in_shapes, out_shapes, ref)
+        assert_same_list(ours, ref)
+        assert_same_list(ours, permute_multi_embedding_reference(values, permutes, in_shapes,
+                                                                 out_shapes, out_lengths))
+
+
+@needs_cpu_kernel
+def test_into_rejects_bad_outputs_like_the_reference():
+    from kt_regroup.ops import _permute_multi_embedding_into_reference
+
+    values = make_values(SMALL_LAYOUT, 2)
+    permutes, in_shapes, out_shapes, out_lengths = _metadata(SMALL_LAYOUT, coalesced=False)
+    good = [torch.empty(2, n) for n in out_lengths]
+    bad_sets = [
+        [good[0], torch.empty(2 * out_lengths[1]), good[2]],  # not 2-D
+        [good[0], torch.empty(3, out_lengths[1]), good[2]],  # batch
+        [good[0], good[1].double(), good[2]],  # dtype
+        [good[0], torch.empty(out_lengths[1], 2).t(), good[2]],  # column stride
+        [good[0], torch.empty(2, out_lengths[1] + 1), good[2]],  # width vs out_shapes
+    ]
+    for outs in bad_sets:
+        with pytest.raises((ValueError, TypeError)) as ours:
+            INTO_OP(values, permutes, in_shapes, out_shapes, outs)
+        with pytest.raises((ValueError, TypeError)) as ref:
+            _permute_multi_embedding_into_reference(values, permutes, in_shapes, out_shapes, outs)
+        assert type(ours.value) is type(ref.value)
+        assert str(ours.value) == str(ref.value)

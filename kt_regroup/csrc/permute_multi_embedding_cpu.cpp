@@ -308,6 +308,62 @@ bool writes_disjoint(const std::vector<Segment>& segments) {
   return true;
 }
 
+// The order to run the segments in, per batch row.
+std::vector<const Segment*> copy_order(const std::vector<Segment>& segments, int64_t bytes) {
+  std::vector<const Segment*> order;
+  order.reserve(segments.size());
+  for (const Segment& s : segments) order.push_back(&s);
+  // Only worth it when the rows do not fit in cache anyway.
+  if (bytes > kReorderBytes && writes_disjoint(segments)) {
+    // Order no longer matters: read each input row once, front to back, which keeps
+    // the hardware prefetcher on one read stream (the output rows stay sequential).
+    std::stable_sort(order.begin(), order.end(), [](const Segment* a, const Segment* b) {
+      return a->in_t != b->in_t ? a->in_t < b->in_t : a->in_off < b->in_off;
+    });
+  }
+  return order;
+}
+
+// The forward with an element-wise cast fused into the copy (src_t -> dst_t).
+template <typename src_t, typename dst_t>
+void permute_convert_into(
+    at::TensorList pooled_embs,
+    const std::vector<Segment>& segments,
+    at::TensorList outs) {
+  const int64_t batch = pooled_embs[0].size(0);
+  if (batch == 0 || segments.empty()) return;
+  std::vector<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
+  for (at::Tensor& t : inputs) t = rows_readable(t);
+  struct Convert {
+    const src_t* src;
+    int64_t src_stride;
+    dst_t* dst;
+    int64_t dst_stride;
+    int64_t numel;
+  };
+  int64_t bytes_per_row = 0;
+  for (const Segment& s : segments) bytes_per_row += s.length * int64_t(sizeof(src_t));
+  std::vector<Convert> converts;
+  converts.reserve(segments.size());
+  for (const Segment* sp : copy_order(segments, batch * bytes_per_row)) {
+    const Segment& s = *sp;
+    const at::Tensor& in = inputs[s.in_t];
+    const at::Tensor& out = outs[s.out_t];
+    converts.push_back(Convert{
+        static_cast<const src_t*>(in.const_data_ptr()) + s.in_off, in.stride(0),
+        static_cast<dst_t*>(out.data_ptr()) + s.out_off, out.stride(0), s.length});
+  }
+  at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (const Convert& c : converts) {
+        const src_t* src = c.src + b * c.src_stride;
+        dst_t* dst = c.dst + b * c.dst_stride;
+        for (int64_t k = 0; k < c.numel; ++k) dst[k] = static_cast<dst_t>(src[k]);
+      }
+    }
+  });
+}
+
 void permute_forward_into(
     at::TensorList pooled_embs,
     const std::vector<Segment>& segments,
@@ -328,17 +384,7 @@ void permute_forward_into(
   };
   int64_t bytes_per_row = 0;
   for (const Segment& s : segments) bytes_per_row += s.length * es;
-  std::vector<const Segment*> order;
-  order.reserve(segments.size());
-  for (const Segment& s : segments) order.push_back(&s);
-  // Only worth it when the rows do not fit in cache anyway.
-  if (batch * bytes_per_row > kReorderBytes && writes_disjoint(segments)) {
-    // Order no longer matters: read each input row once, front to back, which keeps
-    // the hardware prefetcher on one read stream (the output rows stay sequential).
-    std::stable_sort(order.begin(), order.end(), [](const Segment* a, const Segment* b) {
-      return a->in_t != b->in_t ? a->in_t < b->in_t : a->in_off < b->in_off;
-    });
-  }
+  const std::vector<const Segment*> order = copy_order(segments, batch * bytes_per_row);
   std::vector<Copy> copies;
   copies.reserve(segments.size());
   for (const Segment* sp : order) {
@@ -386,6 +432,47 @@ std::vector<at::Tensor> permute_multi_embedding_cpu(
     outs.push_back(tiled ? at::empty({batch, n}, options) : at::zeros({batch, n}, options));
   }
   permute_forward_into(pooled_embs, segments, outs);
+  return outs;
+}
+
+std::vector<at::Tensor> permute_multi_embedding_to_cpu(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths,
+    std::optional<c10::ScalarType> dtype) {
+  const std::vector<Segment> segments = check_forward(
+      "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  const at::Tensor& first = pooled_embs[0];
+  const c10::ScalarType in_dtype = first.scalar_type();
+  const c10::ScalarType out_dtype = dtype.value_or(in_dtype);
+  auto is_float = [](c10::ScalarType t) {
+    return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+  };
+  const bool fused = in_dtype == out_dtype || (is_float(in_dtype) && is_float(out_dtype));
+  const int64_t batch = first.size(0);
+  const bool tiled = segments_tile_outputs(segments, out_lengths);
+  const auto options = first.options().dtype(fused ? out_dtype : in_dtype);
+  std::vector<at::Tensor> outs;
+  outs.reserve(out_lengths.size());
+  for (int64_t n : out_lengths) {
+    outs.push_back(tiled ? at::empty({batch, n}, options) : at::zeros({batch, n}, options));
+  }
+  if (in_dtype == out_dtype) {
+    permute_forward_into(pooled_embs, segments, outs);
+  } else if (fused) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in_dtype, "kt_regroup_to", [&] {
+      using src_t = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(
+          at::kHalf, at::kBFloat16, out_dtype, "kt_regroup_to", [&] {
+            permute_convert_into<src_t, scalar_t>(pooled_embs, segments, outs);
+          });
+    });
+  } else {  // integer / complex casts: copy, then let ATen cast
+    permute_forward_into(pooled_embs, segments, outs);
+    for (at::Tensor& t : outs) t = t.to(out_dtype);
+  }
   return outs;
 }
 
@@ -677,5 +764,6 @@ TORCH_LIBRARY_IMPL(kt_regroup, CPU, m) {
   m.impl(
       "permute_multi_embedding_backward",
       TORCH_FN(kt_regroup::permute_multi_embedding_backward_cpu));
+  m.impl("permute_multi_embedding_to", TORCH_FN(kt_regroup::permute_multi_embedding_to_cpu));
   m.impl("permute_multi_embedding_into", TORCH_FN(kt_regroup::permute_multi_embedding_into_cpu));
 }
