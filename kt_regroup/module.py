@@ -57,6 +57,36 @@ def _is_fx_tracing() -> bool:
     return _fx_trace._is_fx_tracing_flag and not torch.compiler.is_compiling()
 
 
+def _permute(
+    values: List[torch.Tensor],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    out_lengths: List[int],
+    multi_device: bool,
+    dtype: Optional[torch.dtype],
+) -> List[torch.Tensor]:
+    """The fused op with a plan that matches ``values``; the cast is fused into the copy."""
+    if multi_device:
+        device = values[0].device
+        permutes = permutes.to(device, non_blocking=True)
+        in_shapes = in_shapes.to(device, non_blocking=True)
+        out_shapes = out_shapes.to(device, non_blocking=True)
+    if dtype is None:
+        return torch.ops.kt_regroup.permute_multi_embedding(
+            values, permutes, in_shapes, out_shapes, out_lengths
+        )
+    return torch.ops.kt_regroup.permute_multi_embedding_to(
+        values, permutes, in_shapes, out_shapes, out_lengths, dtype
+    )
+
+
+def _cast(values: List[torch.Tensor], dtype: Optional[torch.dtype]) -> List[torch.Tensor]:
+    if dtype is None:
+        return values
+    return [v.to(dtype) for v in values]
+
+
 @torch.fx.wrap
 def _regroup_with_plan(
     keyed_tensors: List[KeyedTensor],
@@ -68,39 +98,27 @@ def _regroup_with_plan(
     out_shapes: torch.Tensor,
     out_lengths: List[int],
     multi_device: bool,
+    dtype: Optional[torch.dtype],
 ) -> List[torch.Tensor]:
     """Graph-mode regroup: the captured plan when the layout matches it, else uncached."""
     values = [kt.values() for kt in keyed_tensors]
     if _layout_matches(keyed_tensors, in_keys, in_lengths, 1):
-        if multi_device:
-            device = values[0].device
-            permutes = permutes.to(device, non_blocking=True)
-            in_shapes = in_shapes.to(device, non_blocking=True)
-            out_shapes = out_shapes.to(device, non_blocking=True)
-        return torch.ops.kt_regroup.permute_multi_embedding(
-            values, permutes, in_shapes, out_shapes, out_lengths
-        )
+        return _permute(values, permutes, in_shapes, out_shapes, out_lengths, multi_device, dtype)
     for kt in keyed_tensors:
         if kt.key_dim() != 1:
-            return _regroup_by_cat(keyed_tensors, groups)
-    return torch.ops.kt_regroup.regroup_keyed_tensor(
+            return _cast(_regroup_by_cat(keyed_tensors, groups), dtype)
+    regrouped = torch.ops.kt_regroup.regroup_keyed_tensor(
         values,
         [kt.keys() for kt in keyed_tensors],
         [kt.length_per_key() for kt in keyed_tensors],
         groups,
     )
+    return _cast(regrouped, dtype)
 
 
 @torch.fx.wrap
 def _to_tensor_dict(keys: List[str], values: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {key: values[i] for i, key in enumerate(keys)}
-
-
-@torch.fx.wrap
-def _cast(values: List[torch.Tensor], dtype: Optional[torch.dtype]) -> List[torch.Tensor]:
-    if dtype is None:
-        return values
-    return [v.to(dtype) for v in values]
 
 
 class KTRegroupAsDict(torch.nn.Module, CacheMixin):
@@ -210,19 +228,18 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
                 # Eager and torch.compile: the cached plan is always the current one.
                 self._refresh_plan(keyed_tensors)
                 if self._dim != 1:
-                    values = _regroup_by_cat(keyed_tensors, self._groups)
+                    values = _cast(_regroup_by_cat(keyed_tensors, self._groups), self._emb_dtype)
                 else:
-                    permutes, in_shapes, out_shapes = self._permutes, self._in_shapes, self._out_shapes
-                    values = [kt.values() for kt in keyed_tensors]
-                    if self._multi_device:
-                        device = values[0].device
-                        permutes = permutes.to(device, non_blocking=True)
-                        in_shapes = in_shapes.to(device, non_blocking=True)
-                        out_shapes = out_shapes.to(device, non_blocking=True)
-                    values = torch.ops.kt_regroup.permute_multi_embedding(
-                        values, permutes, in_shapes, out_shapes, self._out_lengths
+                    values = _permute(
+                        [kt.values() for kt in keyed_tensors],
+                        self._permutes,
+                        self._in_shapes,
+                        self._out_shapes,
+                        self._out_lengths,
+                        self._multi_device,
+                        self._emb_dtype,
                     )
-                return _to_tensor_dict(self._keys, _cast(values, self._emb_dtype))
+                return _to_tensor_dict(self._keys, values)
         # fx tracing and TorchScript: the captured plan, checked on every call.
         values = _regroup_with_plan(
             keyed_tensors,
@@ -234,8 +251,9 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
             self._out_shapes,
             self._out_lengths,
             self._multi_device,
+            self._emb_dtype,
         )
-        return _to_tensor_dict(self._keys, _cast(values, self._emb_dtype))
+        return _to_tensor_dict(self._keys, values)
 
     @torch.jit.export
     def set_device(self, device: str) -> None:
