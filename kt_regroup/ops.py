@@ -421,14 +421,16 @@ def _permute_multi_embedding_into_fake(pooled_embs, permutes, in_shapes, out_sha
 
 def _setup_context_to(ctx, inputs, output):
     pooled_embs, permutes, in_shapes, out_shapes, _, _ = inputs
-    ctx.save_for_backward(permutes, in_shapes, out_shapes)
+    # Index tensors, never modified in place: kept as attributes rather than saved, so
+    # plan tensors cached under torch.inference_mode() still work with autograd.
+    ctx.plan_tensors = (permutes, in_shapes, out_shapes)
     ctx.in_lengths = [t.size(1) for t in pooled_embs]
     ctx.batch_size = pooled_embs[0].size(0)
     ctx.dtype = pooled_embs[0].dtype
 
 
 def _backward_to(ctx, grads):
-    permutes, in_shapes, out_shapes = ctx.saved_tensors
+    permutes, in_shapes, out_shapes = ctx.plan_tensors
     grad_inputs = torch.ops.kt_regroup.permute_multi_embedding_backward(
         list(grads), permutes, in_shapes, out_shapes, ctx.in_lengths, ctx.batch_size, ctx.dtype
     )

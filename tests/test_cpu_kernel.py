@@ -525,3 +525,13 @@ def test_into_rejects_bad_outputs_like_the_reference():
             _permute_multi_embedding_into_reference(values, permutes, in_shapes, out_shapes, outs)
         assert type(ours.value) is type(ref.value)
         assert str(ours.value) == str(ref.value)
+
+
+def test_fused_cast_accepts_plan_tensors_made_under_inference_mode():
+    with torch.inference_mode():
+        args = _metadata(SMALL_LAYOUT, coalesced=True)
+    values = make_values(SMALL_LAYOUT, 2, requires_grad=True)
+    outs = TO_OP(values, *args, torch.float64)
+    sum(o.sum() for o in outs).backward()
+    assert values[1].grad.dtype == torch.float32
+    assert values[1].grad[:, 0].eq(3).all()  # 'c': twice in group 0, once in group 2
