@@ -6,9 +6,10 @@ needs samples, starting from a different provider each round, so machine drift
 
 Each provider gets a time budget per cell: ``clamp(budget_s / t_warm, min_repeats,
 repeats)`` samples, so a 3-second FBGEMM call gets ``min_repeats`` samples while a
-50-ms copy gets ``repeats``. The warmup call is skipped for a provider that already
-took more than ``slow_s`` in an earlier cell of this process: its one-time costs are
-paid and negligible next to the call.
+50-ms copy gets ``repeats``. Slow calls (over ``slow_s``, 1 s) need no separate warmup:
+one-time costs (plan building, lazy init: milliseconds) are under 1% of them, so a
+first call that slow counts as a sample, and a provider that was that slow in an
+earlier cell of this process is not warmed again.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class _State:
     target: int = 1
     check: str = "not run"
     error: Optional[str] = None
-    warmed: bool = False
+    warmup: str = "none"  # discarded | counted (first call over slow_s) | skipped
     cut: bool = False  # stopped early: its next call would not fit before the deadline
 
 
@@ -193,7 +194,7 @@ def run_cell(
     fits before the deadline, so fast providers keep sampling while slow ones stop. The
     records say which were cut short (``cut_by_time_limit``).
     """
-    states = [_State(p) for p in providers]
+    states = [_State(p) for p in providers if not (cell.backward and p.inference_only)]
     for st in states:
         try:
             st.fn = st.provider.make(cell)
@@ -203,10 +204,12 @@ def run_cell(
     def call(st: _State, measure: bool) -> Optional[float]:
         cell.reset_grads()
         try:
-            if measure:
-                probe.start()
+            probe.start()
             outs, seconds = _timed(st.fn, cell.device)
-            mem = probe.stop() if measure else None
+            mem = probe.stop()
+            if not measure and seconds >= slow_s:
+                measure = True  # a slow first call is a sample too (see module docs)
+                st.warmup = "counted"
             if st.check == "not run":
                 st.check = _check(outs, cell.expected)
             del outs
@@ -230,9 +233,10 @@ def run_cell(
     for st in live:
         if id(st) not in to_warm:
             st.target = min(min_repeats, repeats)
+            st.warmup = "skipped"
             continue
+        st.warmup = "discarded"
         st.estimate = call(st, measure=False)
-        st.warmed = True
         if progress is not None:
             progress.update(1)
         if st.estimate is not None:
@@ -257,7 +261,10 @@ def run_cell(
             if st.error is not None or st.cut or len(st.times) >= st.target:
                 continue
             if deadline is not None and st.times:
-                if time.perf_counter() + percentile(st.times, 50) > deadline:
+                # Another turn only if the call fits this provider's fair share of the
+                # time left: slow providers stop at one sample, fast ones keep going.
+                left = deadline - time.perf_counter()
+                if percentile(st.times, 50) > left / len(pending):
                     st.cut = True
                     if progress is not None:
                         progress.total -= st.target - len(st.times)
@@ -284,7 +291,7 @@ def run_cell(
                 "family": st.provider.family,
                 "samples_s": st.times,
                 "n": len(st.times),
-                "warmup": st.warmed,
+                "warmup": st.warmup,
                 "p50_s": percentile(st.times, 50),
                 "p90_s": percentile(st.times, 90),
                 "mem_samples_bytes": st.mems,
@@ -323,7 +330,9 @@ def run_serving_cell(
             return torch.inference_mode()
         return contextlib.nullcontext()
 
-    states = [_State(p) for p in providers]
+    states = [
+        _State(p) for p in providers if not (grad_mode == "autograd" and p.inference_only)
+    ]
     for st in states:
         try:
             with ctx():

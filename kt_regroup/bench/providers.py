@@ -66,6 +66,8 @@ class Provider:
     note: str = ""
     # Limits emulate the backward themselves; other providers get cell.run_backward.
     does_own_backward: bool = False
+    # No autograd (writes into caller-owned buffers): forward cells and inference rows only.
+    inference_only: bool = False
 
 
 def _with_backward(cell: Cell, forward: Callable[[], List[torch.Tensor]]):
@@ -112,6 +114,30 @@ def _kt_op(cell: Cell):
     op = torch.ops.kt_regroup.permute_multi_embedding
     values = cell.values
     return _with_backward(cell, lambda: op(values, permutes, in_shapes, out_shapes, out_lengths))
+
+
+def _kt_into(cell: Cell):
+    """Inference into preallocated outputs, which are reused by every call."""
+    import kt_regroup
+
+    plan = kt_regroup.get_plan(cell.layout.keys, cell.layout.lengths, cell.layout.groups)
+    permutes, in_shapes, out_shapes = plan.tensors(cell.device)
+    outs = [torch.zeros_like(t) for t in cell.expected]  # pages touched outside the timing
+    op = torch.ops.kt_regroup.permute_multi_embedding_into
+    values = [v.detach() for v in cell.values]
+
+    def call() -> List[torch.Tensor]:
+        op(values, permutes, in_shapes, out_shapes, outs)
+        return outs
+
+    return call
+
+
+def _kt_into_available() -> bool:
+    try:
+        return hasattr(torch.ops.kt_regroup, "permute_multi_embedding_into")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _kt_reference(cell: Cell):
@@ -248,6 +274,11 @@ def make_providers(device: torch.device, include_reference: Optional[bool] = Non
         Provider(f"kt_regroup.regroup [{backend}]", "kt_regroup", _kt_functional),
         Provider(f"kt_regroup.permute_multi_embedding [{backend}]", "kt_regroup", _kt_op),
     ]
+    if _kt_into_available():
+        providers.append(
+            Provider(f"kt_regroup.permute_multi_embedding_into [{backend}, preallocated]",
+                     "kt_regroup", _kt_into, does_own_backward=True, inference_only=True)
+        )
     if include_reference is None:
         include_reference = backend != "reference"
     if include_reference:
@@ -272,6 +303,7 @@ def make_providers(device: torch.device, include_reference: Optional[bool] = Non
 
 
 KT_REGROUP_BASELINE = "kt_regroup.KTRegroupAsDict"  # the row other rows are compared with
+KT_REGROUP_INTO = "kt_regroup.permute_multi_embedding_into"
 CLONE = "limit: clone"
 COPY = "limit: copy_"
 

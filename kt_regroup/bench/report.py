@@ -8,7 +8,14 @@ import math
 import os
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from kt_regroup.bench.providers import CLONE, COPY, FORWARD, FORWARD_BACKWARD, KT_REGROUP_BASELINE
+from kt_regroup.bench.providers import (
+    CLONE,
+    COPY,
+    FORWARD,
+    FORWARD_BACKWARD,
+    KT_REGROUP_BASELINE,
+    KT_REGROUP_INTO,
+)
 
 __all__ = [
     "SCHEMA",
@@ -189,6 +196,9 @@ def goal_lines(records: List[Dict[str, Any]], out_bytes: Optional[int]) -> List[
         _p50(records, "main", "default", FB, False, "torchrec._regroup_keyed_tensors"), 0.6)
     add("THP forward: kt_regroup / clone", _p50(records, "main", "thp", F, False, kt),
         _p50(records, "main", "thp", F, False, CLONE), 1.3)
+    add("THP forward: kt_regroup into preallocated outputs / copy_",
+        _p50(records, "main", "thp", F, False, KT_REGROUP_INTO),
+        _p50(records, "main", "thp", F, False, COPY), 1.5)
     for gm, goal in (("inference_mode", 0.15), ("autograd", 0.35)):
         add(f"serving {gm}: kt_regroup module / torchrec _regroup_keyed_tensors",
             _p50(records, "serving", "default", F, False, kt, gm),
