@@ -109,20 +109,25 @@ def _permute_multi_embedding_backward_fake(
 
 
 # --- autograd: the backward is itself an op.
+# Shared by permute_multi_embedding and permute_multi_embedding_to (one extra argument,
+# the output dtype; gradients still come back in the input dtype).
 def _setup_context(ctx, inputs, output):
-    pooled_embs, permutes, in_shapes, out_shapes, _ = inputs
-    ctx.save_for_backward(permutes, in_shapes, out_shapes)
+    pooled_embs, permutes, in_shapes, out_shapes = inputs[:4]
+    # Index tensors, never modified in place: kept as attributes rather than saved, so
+    # plan tensors cached under torch.inference_mode() still work with autograd.
+    ctx.plan_tensors = (permutes, in_shapes, out_shapes)
     ctx.in_lengths = [t.size(1) for t in pooled_embs]
     ctx.batch_size = pooled_embs[0].size(0)
     ctx.dtype = pooled_embs[0].dtype
+    ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, grads):
-    permutes, in_shapes, out_shapes = ctx.saved_tensors
+    permutes, in_shapes, out_shapes = ctx.plan_tensors
     grad_inputs = torch.ops.kt_regroup.permute_multi_embedding_backward(
         list(grads), permutes, in_shapes, out_shapes, ctx.in_lengths, ctx.batch_size, ctx.dtype
     )
-    return grad_inputs, None, None, None, None
+    return (grad_inputs,) + (None,) * (ctx.n_inputs - 1)
 
 
 # --- plan ops -----------------------------------------------------------------------------
@@ -419,28 +424,10 @@ def _permute_multi_embedding_into_fake(pooled_embs, permutes, in_shapes, out_sha
     _check_not_meta_only(op, (permutes, in_shapes, out_shapes), "pooled_embs[0]", pooled_embs[0])
 
 
-def _setup_context_to(ctx, inputs, output):
-    pooled_embs, permutes, in_shapes, out_shapes, _, _ = inputs
-    # Index tensors, never modified in place: kept as attributes rather than saved, so
-    # plan tensors cached under torch.inference_mode() still work with autograd.
-    ctx.plan_tensors = (permutes, in_shapes, out_shapes)
-    ctx.in_lengths = [t.size(1) for t in pooled_embs]
-    ctx.batch_size = pooled_embs[0].size(0)
-    ctx.dtype = pooled_embs[0].dtype
-
-
-def _backward_to(ctx, grads):
-    permutes, in_shapes, out_shapes = ctx.plan_tensors
-    grad_inputs = torch.ops.kt_regroup.permute_multi_embedding_backward(
-        list(grads), permutes, in_shapes, out_shapes, ctx.in_lengths, ctx.batch_size, ctx.dtype
-    )
-    return grad_inputs, None, None, None, None, None
-
-
 torch.library.register_autograd(
     f"{NAMESPACE}::permute_multi_embedding_to",
-    _backward_to,
-    setup_context=_setup_context_to,
+    _backward,
+    setup_context=_setup_context,
     lib=_lib,
 )
 

@@ -420,8 +420,13 @@ def test_module_under_no_grad_and_inference_mode(mode):
     # the plan built under inference mode still serves a training step afterwards
     xs = [v.requires_grad_() for v in make_values(layout, 2)]
     out = m(keyed_tensors(layout, xs))
-    sum(t.sum() for t in out.values()).backward()
-    assert all(x.grad is not None and x.grad.shape == x.shape for x in xs)
+    sum((t * (i + 1)).sum() for i, t in enumerate(out.values())).backward()
+    # same gradients as a module that never saw inference mode
+    ys = [v.detach().clone().requires_grad_() for v in xs]
+    fresh = KTRegroupAsDict(layout.groups, _names(layout))(keyed_tensors(layout, ys))
+    sum((t * (i + 1)).sum() for i, t in enumerate(fresh.values())).backward()
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)
 
 
 def test_module_backward_with_empty_batch():

@@ -403,7 +403,10 @@ def test_forced_reference_backend_passes_op_and_autograd_tests(tmp_path):
     tests = pathlib.Path(__file__).resolve().parent
     env = dict(os.environ, KT_REGROUP_BACKEND="reference")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tests.parent), env.get("PYTHONPATH")]))
-    select = "opcheck or gradcheck or backward or gradients or compile_fullgraph or backend_reports or test_permute_multi_embedding_parity"
+    select = (
+        "opcheck or gradcheck or backward or gradients or compile_fullgraph or backend_reports"
+        " or test_permute_multi_embedding_parity or inference_mode"
+    )
     proc = subprocess.run(
         [
             sys.executable,
