@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 import torch.fx._symbolic_trace as _fx_trace
-from torchrec.fx.tracer import is_fx_tracing as _torchrec_is_fx_tracing
+import torchrec.fx.tracer as _torchrec_tracer
 from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.sparse.jagged_tensor import KeyedTensor
 from torchrec.types import CacheMixin, DataType
@@ -49,11 +49,9 @@ def _layout_matches(
 
 def _is_fx_tracing() -> bool:
     """True under torchrec's tracer and under plain ``torch.fx.symbolic_trace``."""
-    if _torchrec_is_fx_tracing():
+    # Flag reads first: this runs on every eager call.
+    if _torchrec_tracer._is_fx_tracing_flag:
         return True
-    symbolic = getattr(_fx_trace, "is_fx_symbolic_tracing", None)
-    if symbolic is not None:
-        return symbolic()
     return _fx_trace._is_fx_tracing_flag and not torch.compiler.is_compiling()
 
 
@@ -200,10 +198,8 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
 
     @torch.jit.ignore
     def _refresh_plan(self, keyed_tensors: List[KeyedTensor]) -> None:
-        """Builds the plan on the first call; rebuilds it when the layout changed."""
+        """Builds the plan on the first call, rebuilds it when the layout changed."""
         if self._is_inited:
-            if _layout_matches(keyed_tensors, self._in_keys, self._in_lengths, self._dim):
-                return
             # dynamo cannot trace a logger call (fullgraph compile would fail): the
             # warning is an eager-mode courtesy, the rebuild below happens either way.
             if not self._stale_warned and not torch.compiler.is_compiling():
@@ -226,7 +222,11 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         if not torch.jit.is_scripting():
             if not _is_fx_tracing():
                 # Eager and torch.compile: the cached plan is always the current one.
-                self._refresh_plan(keyed_tensors)
+                if not (
+                    self._is_inited
+                    and _layout_matches(keyed_tensors, self._in_keys, self._in_lengths, self._dim)
+                ):
+                    self._refresh_plan(keyed_tensors)
                 if self._dim != 1:
                     values = _cast(_regroup_by_cat(keyed_tensors, self._groups), self._emb_dtype)
                 else:
