@@ -169,3 +169,8 @@ needs_fbgemm = pytest.mark.skipif(
 
 def clone_all(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
     return [None if t is None else t.detach().clone() for t in tensors]
+
+
+def dtype_ids(dtype: torch.dtype) -> str:
+    """pytest id of a dtype parameter: ``float32`` rather than ``torch.float32``."""
+    return str(dtype).replace("torch.", "")

@@ -16,7 +16,14 @@ import textwrap
 
 import pytest
 import torch
-from conftest import SMALL_LAYOUT, WIDTHS, assert_same_list, make_values, random_layout
+from conftest import (
+    SMALL_LAYOUT,
+    WIDTHS,
+    assert_same_list,
+    dtype_ids,
+    make_values,
+    random_layout,
+)
 
 import kt_regroup
 from kt_regroup.kernels import cpu
@@ -51,7 +58,6 @@ LAYOUTS = [random_layout(s) for s in range(6)] + [
 ]
 LAYOUT_IDS = [f"seed{s}" for s in range(6)] + ["one-input", "many-groups", "small"]
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-dtype_ids = lambda d: str(d).replace("torch.", "")
 
 
 def _metadata(layout, coalesced: bool, index_dtype=torch.int32):

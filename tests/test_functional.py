@@ -10,6 +10,7 @@ from conftest import (
     assert_no_alias,
     assert_same_list,
     clone_all,
+    dtype_ids,
     expected_regroup,
     keyed_tensors,
     make_values,
@@ -23,7 +24,6 @@ LAYOUTS = {f"seed{s}": random_layout(s) for s in SEEDS}
 LAYOUTS["small"] = SMALL_LAYOUT
 LAYOUTS["wide"] = random_layout(42, n_inputs=6, keys_per_input=(2, 8), n_groups=5)
 
-dtype_ids = lambda d: str(d).replace("torch.", "")
 
 
 @pytest.mark.parametrize("noncontiguous", [False, True], ids=["contig", "strided"])

@@ -15,6 +15,7 @@ from conftest import (
     assert_no_alias,
     assert_same_list,
     clone_all,
+    dtype_ids,
     expected_regroup,
     keyed_tensors,
     make_values,
@@ -30,7 +31,6 @@ from kt_regroup import KTRegroupAsDict
 LAYOUTS = {f"seed{s}": random_layout(s) for s in SEEDS}
 LAYOUTS["small"] = SMALL_LAYOUT
 
-dtype_ids = lambda d: str(d).replace("torch.", "")
 
 
 def _names(layout):

@@ -20,6 +20,7 @@ from conftest import (
     assert_no_alias,
     assert_same_list,
     clone_all,
+    dtype_ids,
     expected_regroup,
     make_values,
     needs_fbgemm,
@@ -37,7 +38,6 @@ from kt_regroup.plan import RegroupPlan
 LAYOUTS = {f"seed{s}": random_layout(s) for s in SEEDS}
 LAYOUTS["small"] = SMALL_LAYOUT
 
-dtype_ids = lambda d: str(d).replace("torch.", "")
 
 
 def _args(kind, values, layout):
@@ -169,7 +169,7 @@ def test_int64_metadata_is_accepted():
 
 def _opcheck_samples():
     samples = []
-    for i, (dtype, batch, noncontig, layout) in enumerate(
+    for dtype, batch, noncontig, layout in (
         [
             (torch.float32, 3, False, SMALL_LAYOUT),
             (torch.float32, 0, False, SMALL_LAYOUT),

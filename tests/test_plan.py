@@ -31,7 +31,7 @@ LAYOUTS = (
 )
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"{len(l.keys)}in-{len(l.groups)}out")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{len(lay.keys)}in-{len(lay.groups)}out")
 def test_kt_regroup_arguments_equals_torchrec(layout):
     embs = torch.empty(2, sum(layout.in_widths))
     ours = kt_regroup.kt_regroup_arguments(embs, layout.keys, layout.lengths, layout.groups)

@@ -13,6 +13,7 @@ import torch
 
 from kt_regroup.plan import PERMUTE_COLUMNS
 
+
 def check_tensor_list(op: str, name: str, tensors: Sequence[Optional[torch.Tensor]]) -> None:
     """Non-empty list of 2-D tensors on one device, one dtype, one batch size."""
     defined = [(i, t) for i, t in enumerate(tensors) if t is not None]
