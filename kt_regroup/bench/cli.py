@@ -225,7 +225,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     from kt_regroup.bench import report
     from kt_regroup.bench.harness import make_memory_probe, run_cell, run_serving_cell
     from kt_regroup.bench.providers import (
-        FORWARD, FORWARD_BACKWARD, Cell, make_providers, select,
+        FORWARD,
+        FORWARD_BACKWARD,
+        Cell,
+        make_providers,
+        select,
     )
 
     quick = args.preset == "quick"

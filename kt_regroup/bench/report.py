@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from kt_regroup.bench.providers import (
