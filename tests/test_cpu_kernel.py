@@ -393,6 +393,15 @@ def test_loaded_extension_records_its_torch_version():
     assert built == torch.__version__.split("+")[0]
 
 
+@needs_cpu_kernel
+def test_cached_build_is_reused_by_the_next_process():
+    # The build fingerprint must not change once built (cpp_extension.load used to append
+    # to the flag lists it was given, so every new process rebuilt the kernel).
+    if cpu._prebuilt() is not None:
+        pytest.skip("a prebuilt extension is in the package; the JIT cache is not used")
+    assert cpu._cached() == cpu.loaded_path()
+
+
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)
     full_env.update(env)

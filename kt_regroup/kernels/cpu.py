@@ -50,8 +50,8 @@ _CSRC = _PACKAGE_DIR / "csrc"
 _SOURCES = ("permute_multi_embedding_cpu.cpp", "permute_multi_embedding_autograd.cpp")
 _HEADERS = ("permute_multi_embedding.h",)
 # at::parallel_for is an inline OpenMP loop: without -fopenmp it would run on one thread.
-_CFLAGS = ["-O3", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+_CFLAGS = ("-O3", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 _STAMP = "build_info.json"
 
 _loaded: Optional[Path] = None
@@ -134,8 +134,10 @@ def build(verbose: bool = False) -> Path:
     library = cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[str(_CSRC / s) for s in _SOURCES],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
+        # fresh lists: cpp_extension.load appends its own flags to the lists it is given
+        # (which changed the build fingerprint and forced a rebuild in every process)
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
         build_directory=str(directory),
         is_python_module=False,
         verbose=verbose,
