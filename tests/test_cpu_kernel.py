@@ -395,11 +395,20 @@ def test_loaded_extension_records_its_torch_version():
 
 @needs_cpu_kernel
 def test_cached_build_is_reused_by_the_next_process():
-    # The build fingerprint must not change once built (cpp_extension.load used to append
-    # to the flag lists it was given, so every new process rebuilt the kernel).
+    # A new process must load the cached build, not build again (cpp_extension.load used
+    # to append to the flag lists it was given, which changed the build fingerprint).
     if cpu._prebuilt() is not None:
         pytest.skip("a prebuilt extension is in the package; the JIT cache is not used")
-    assert cpu._cached() == cpu.loaded_path()
+    proc = _run_python(
+        """
+        import kt_regroup
+        from kt_regroup.kernels import cpu
+        print(kt_regroup.backend("cpu"), cpu._cached() == cpu.loaded_path())
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["cpp", "True"], proc.stdout
+    assert "building the native CPU kernel" not in proc.stderr, proc.stderr
 
 
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:
