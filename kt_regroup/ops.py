@@ -22,7 +22,6 @@ Ops:
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Dict, List, Sequence, Tuple
@@ -141,9 +140,9 @@ def _layout_key(keys, lengths, groups) -> Tuple:
     )
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_plan(layout: Tuple) -> RegroupPlan:
-    return RegroupPlan.build(*layout)
+# A plain dict rather than functools.lru_cache: dynamo traces it without a warning.
+_plans: Dict[Tuple, RegroupPlan] = {}
+_MAX_PLANS = 64
 
 
 def get_plan(
@@ -151,12 +150,18 @@ def get_plan(
     lengths: Sequence[Sequence[int]],
     groups: Sequence[Sequence[str]],
 ) -> RegroupPlan:
-    """The :class:`RegroupPlan` of a layout, memoised (64 most recent layouts)."""
+    """The :class:`RegroupPlan` of a layout, memoised (the 64 newest layouts)."""
     try:
         layout = _layout_key(keys, lengths, groups)
+        plan = _plans.get(layout)
     except TypeError:  # unhashable junk in the layout: let the plan explain what is wrong
         return RegroupPlan.build(keys, lengths, groups)
-    return _cached_plan(layout)
+    if plan is None:
+        plan = RegroupPlan.build(*layout)
+        if len(_plans) >= _MAX_PLANS:
+            del _plans[next(iter(_plans))]
+        _plans[layout] = plan
+    return plan
 
 
 _plan_tensors: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
