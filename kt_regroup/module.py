@@ -85,6 +85,49 @@ def _cast(values: List[torch.Tensor], dtype: Optional[torch.dtype]) -> List[torc
     return [v.to(dtype) for v in values]
 
 
+def _with_views(
+    values: List[torch.Tensor],
+    copied: List[torch.Tensor],
+    views: List[List[int]],
+    dtype: Optional[torch.dtype],
+) -> List[torch.Tensor]:
+    """Puts the copied groups and the view groups in order.
+
+    ``views[j]`` is ``[input, offset, width]`` for a view, ``[-1, 0, 0]`` for a copied
+    group (not ``[]``: TorchScript types a literal like ``[[0, 0, 5], []]`` as a union).
+    """
+    if len(views) == 0:
+        return copied
+    out: List[torch.Tensor] = []
+    k = 0
+    for spec in views:
+        if spec[0] < 0:
+            out.append(copied[k])
+            k += 1
+        else:
+            view = values[spec[0]].narrow(1, spec[1], spec[2])
+            out.append(view if dtype is None else view.to(dtype))
+    return out
+
+
+def _permute_with_views(
+    values: List[torch.Tensor],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    out_lengths: List[int],
+    multi_device: bool,
+    dtype: Optional[torch.dtype],
+    views: List[List[int]],
+) -> List[torch.Tensor]:
+    if len(views) == 0:
+        return _permute(values, permutes, in_shapes, out_shapes, out_lengths, multi_device, dtype)
+    copied: List[torch.Tensor] = []
+    if len(out_lengths) > 0:
+        copied = _permute(values, permutes, in_shapes, out_shapes, out_lengths, multi_device, dtype)
+    return _with_views(values, copied, views, dtype)
+
+
 @torch.fx.wrap
 def _regroup_with_plan(
     keyed_tensors: List[KeyedTensor],
@@ -97,11 +140,14 @@ def _regroup_with_plan(
     out_lengths: List[int],
     multi_device: bool,
     dtype: Optional[torch.dtype],
+    views: List[List[int]],
 ) -> List[torch.Tensor]:
     """Graph-mode regroup: the captured plan when the layout matches it, else uncached."""
     values = [kt.values() for kt in keyed_tensors]
     if _layout_matches(keyed_tensors, in_keys, in_lengths, 1):
-        return _permute(values, permutes, in_shapes, out_shapes, out_lengths, multi_device, dtype)
+        return _permute_with_views(
+            values, permutes, in_shapes, out_shapes, out_lengths, multi_device, dtype, views
+        )
     for kt in keyed_tensors:
         if kt.key_dim() != 1:
             return _cast(_regroup_by_cat(keyed_tensors, groups), dtype)
@@ -129,6 +175,12 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         keys: the name of each output group.
         emb_dtype: optional dtype (torchrec ``DataType`` or ``torch.dtype``) of the outputs.
         multi_device: move the cached plan to the inputs' device on every call.
+        allow_views: opt-in zero-copy. A group that is one contiguous run of columns of
+            one input (e.g. all keys of one KeyedTensor, in order) comes back as a view
+            of that input (``values.narrow(1, offset, width)``) instead of a copy. Such
+            outputs alias the input: writing to one changes the other, and they are
+            not contiguous. Other groups are copied as usual. Off by default (torchrec's
+            module always returns fresh tensors).
 
     Example::
 
@@ -147,6 +199,8 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
     _out_lengths: List[int]
     _is_inited: bool
     _dim: int
+    _allow_views: bool
+    _views: List[List[int]]
 
     def __init__(
         self,
@@ -154,6 +208,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         keys: List[str],
         emb_dtype: Optional[Union[DataType, torch.dtype]] = None,
         multi_device: bool = False,
+        allow_views: bool = False,
     ) -> None:
         super().__init__()
         if len(groups) != len(keys):
@@ -173,6 +228,8 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         self._in_keys = []
         self._in_lengths = []
         self._out_lengths = []
+        self._allow_views = allow_views
+        self._views = []  # per group: [input, offset, width] = a view, [-1, 0, 0] = copied
         self.register_buffer("_permutes", torch.empty(0, 6, dtype=torch.int32), persistent=False)
         self.register_buffer("_in_shapes", torch.empty(0, dtype=torch.int32), persistent=False)
         self.register_buffer("_out_shapes", torch.empty(0, dtype=torch.int32), persistent=False)
@@ -190,10 +247,17 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         in_lengths = [list(kt.length_per_key()) for kt in keyed_tensors]
         plan = get_plan(in_keys, in_lengths, self._groups)  # validates the layout
         self._dim = keyed_tensors[0].key_dim()
+        views: List[List[int]] = []
+        if self._allow_views:
+            specs = plan.view_specs()
+            if any(spec is not None for spec in specs):
+                views = [[-1, 0, 0] if spec is None else list(spec) for spec in specs]
+                plan = plan.restricted([j for j, spec in enumerate(specs) if spec is None])
         self._permutes, self._in_shapes, self._out_shapes = plan.tensors(device)
         self._in_keys = in_keys
         self._in_lengths = in_lengths
         self._out_lengths = list(plan.out_lengths)
+        self._views = views
         self._is_inited = True
 
     @torch.jit.ignore
@@ -233,7 +297,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
                     # Buffers read from the dict: nn.Module.__getattr__ costs ~1 us per
                     # buffer, a third of a small regroup's budget.
                     buffers = self._buffers
-                    values = _permute(
+                    values = _permute_with_views(
                         [kt.values() for kt in keyed_tensors],
                         buffers["_permutes"],
                         buffers["_in_shapes"],
@@ -241,6 +305,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
                         self._out_lengths,
                         self._multi_device,
                         self._emb_dtype,
+                        self._views,
                     )
                 return _to_tensor_dict(self._keys, values)
         # fx tracing and TorchScript: the captured plan, checked on every call.
@@ -255,6 +320,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
             self._out_lengths,
             self._multi_device,
             self._emb_dtype,
+            self._views,
         )
         return _to_tensor_dict(self._keys, values)
 

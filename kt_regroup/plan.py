@@ -17,7 +17,7 @@ ignore it but :func:`kt_regroup_arguments_rows` fills it exactly like torchrec's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -186,6 +186,45 @@ class RegroupPlan:
             coalesced_rows=tuple(tuple(r) for r in coalesce_rows(rows)),
             in_lengths=in_lengths,
             out_lengths=out_lengths,
+        )
+
+    def view_specs(self) -> List[Optional[Tuple[int, int, int]]]:
+        """Per output: ``(input, offset, width)`` when the whole output is one contiguous
+        run of columns of one input (it could be returned as a view), else ``None``."""
+        rows_of: Dict[int, List[Tuple[int, ...]]] = {}
+        for row in self.coalesced_rows:
+            rows_of.setdefault(row[1], []).append(row)
+        specs: List[Optional[Tuple[int, int, int]]] = []
+        for j, width in enumerate(self.out_lengths):
+            rows = rows_of.get(j, [])
+            if width > 0 and len(rows) == 1 and rows[0][3] == 0 and rows[0][4] == width:
+                specs.append((rows[0][0], rows[0][2], width))
+            else:
+                specs.append(None)
+        return specs
+
+    def restricted(self, outputs: Sequence[int]) -> "RegroupPlan":
+        """The plan of the given outputs only (renumbered in the order given).
+
+        Its ``next`` column is 0: duplicate chains do not survive the cut.
+        """
+        new_index = {j: k for k, j in enumerate(outputs)}
+
+        def keep(rows: Tuple[Tuple[int, ...], ...]) -> Tuple[Tuple[int, ...], ...]:
+            return tuple(
+                (r[0], new_index[r[1]], r[2], r[3], r[4], 0) for r in rows if r[1] in new_index
+            )
+
+        rows = keep(self.rows)
+        coalesced = keep(self.coalesced_rows)
+        return RegroupPlan(
+            keys=self.keys,
+            lengths=self.lengths,
+            groups=tuple(self.groups[j] for j in outputs),
+            rows=rows,
+            coalesced_rows=coalesced,
+            in_lengths=list(self.in_lengths),
+            out_lengths=[self.out_lengths[j] for j in outputs],
         )
 
     def tensors(

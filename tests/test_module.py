@@ -435,3 +435,89 @@ def test_module_backward_with_empty_batch():
     out = KTRegroupAsDict(layout.groups, _names(layout))(keyed_tensors(layout, xs))
     sum(t.sum() for t in out.values()).backward()
     assert [tuple(x.grad.shape) for x in xs] == [(0, 10), (0, 131)]
+
+
+def _view_layout_inputs(batch=4, requires_grad=False):
+    # "dense" is input 0 whole, in order; "tail" and "last" are contiguous runs of input 1;
+    # "mixed" needs a copy
+    dense = torch.randn(batch, 2 + 3, requires_grad=requires_grad)
+    sparse = torch.randn(batch, 7 + 1 + 4, requires_grad=requires_grad)
+    kts = [
+        KeyedTensor(["d0", "d1"], [2, 3], dense),
+        KeyedTensor(["s0", "s1", "s2"], [7, 1, 4], sparse),
+    ]
+    groups = [["d0", "d1"], ["s1", "s2"], ["s0", "d1", "s1"], ["s2"]]
+    return kts, groups, ["dense", "tail", "mixed", "last"]
+
+
+def test_allow_views_returns_views_only_for_contiguous_runs():
+    kts, groups, names = _view_layout_inputs()
+    dense, sparse = kts[0].values(), kts[1].values()
+    out = KTRegroupAsDict(groups, names, allow_views=True)(kts)
+    expected = TorchrecKTRegroupAsDict(groups, names)(kts)
+    for name in names:
+        torch.testing.assert_close(out[name], expected[name], rtol=0, atol=0)
+    # views share the inputs' storage at the right offsets; the rest are fresh
+    assert out["dense"].data_ptr() == dense.data_ptr()
+    assert out["tail"].data_ptr() == sparse.data_ptr() + 7 * sparse.element_size()
+    assert out["mixed"].untyped_storage().data_ptr() not in (
+        dense.untyped_storage().data_ptr(),
+        sparse.untyped_storage().data_ptr(),
+    )
+    # off by default: the same layout comes back as copies
+    default = KTRegroupAsDict(groups, names)(kts)
+    assert_no_alias(list(default.values()), [dense, sparse])
+
+
+def test_allow_views_gradients_match_copies():
+    kts, groups, names = _view_layout_inputs(requires_grad=True)
+    xs = [kt.values() for kt in kts]
+    ys = [x.detach().clone().requires_grad_() for x in xs]
+    kts_copy = [KeyedTensor(kt.keys(), kt.length_per_key(), y) for kt, y in zip(kts, ys)]
+    weights = {n: float(i + 1) for i, n in enumerate(names)}
+    out = KTRegroupAsDict(groups, names, allow_views=True)(kts)
+    sum(weights[n] * t.sum() for n, t in out.items()).backward()
+    ref = KTRegroupAsDict(groups, names)(kts_copy)
+    sum(weights[n] * t.sum() for n, t in ref.items()).backward()
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)
+
+
+def test_allow_views_in_traced_scripted_and_compiled_graphs():
+    kts, groups, names = _view_layout_inputs()
+    m = KTRegroupAsDict(groups, names, allow_views=True)
+    eager = m(kts)
+    traced = torch.fx.symbolic_trace(m)
+    scripted = torch.jit.script(traced)
+    compiled = torch.compile(m, fullgraph=True)
+    for run in (traced, scripted, compiled):
+        got = run(kts)
+        for name in names:
+            torch.testing.assert_close(got[name], eager[name], rtol=0, atol=0)
+    # the graph keeps the views
+    assert traced(kts)["dense"].data_ptr() == kts[0].values().data_ptr()
+    # a changed layout in a captured graph still gives the right (copied) answer
+    swapped = [kts[1], kts[0]]
+    want = TorchrecKTRegroupAsDict(groups, names)(swapped)
+    got = scripted(swapped)
+    for name in names:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_allow_views_with_emb_dtype_casts_every_group():
+    kts, groups, names = _view_layout_inputs()
+    out = KTRegroupAsDict(groups, names, emb_dtype=torch.float64, allow_views=True)(kts)
+    ref = KTRegroupAsDict(groups, names)(kts)
+    for name in names:
+        assert out[name].dtype == torch.float64
+        torch.testing.assert_close(out[name], ref[name].double(), rtol=0, atol=0)
+
+
+def test_allow_views_with_an_empty_group_and_only_view_groups():
+    kts, _, _ = _view_layout_inputs()
+    groups, names = [["d0", "d1"], [], ["s0", "s1", "s2"]], ["dense", "none", "sparse"]
+    out = KTRegroupAsDict(groups, names, allow_views=True)(kts)  # nothing left to copy
+    assert out["dense"].data_ptr() == kts[0].values().data_ptr()
+    assert out["sparse"].data_ptr() == kts[1].values().data_ptr()
+    assert out["none"].shape == (4, 0)
+    torch.testing.assert_close(out["sparse"], kts[1].values(), rtol=0, atol=0)

@@ -129,3 +129,16 @@ def test_plan_with_no_rows():
     outs = permute_multi_embedding_reference([torch.ones(2, 3)], *plan.tensors(), plan.out_lengths)
     assert outs[0].shape == (2, 0)
     assert out_shapes.tolist() == [0]
+
+
+def test_view_specs_and_restricted_plan():
+    plan = RegroupPlan.build(
+        [["a", "b"], ["c", "d", "e"]],
+        [[2, 3], [4, 1, 6]],
+        [["a", "b"], ["d", "e"], ["e", "a"], [], ["c"]],
+    )
+    assert plan.view_specs() == [(0, 0, 5), (1, 4, 7), None, None, (1, 0, 4)]
+    sub = plan.restricted([2, 3])
+    assert sub.out_lengths == [8, 0]
+    assert [list(r) for r in sub.coalesced_rows] == [[1, 0, 5, 0, 6, 0], [0, 0, 0, 6, 2, 0]]
+    assert [list(r) for r in sub.rows] == [[1, 0, 5, 0, 6, 0], [0, 0, 0, 6, 2, 0]]
