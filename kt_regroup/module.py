@@ -63,39 +63,30 @@ def _permute(
     out_lengths: List[int],
     multi_device: bool,
     dtype: Optional[torch.dtype],
-) -> List[torch.Tensor]:
-    """The fused op with a plan that matches ``values``; the cast is fused into the copy."""
-    if multi_device:
-        device = values[0].device
-        permutes = permutes.to(device, non_blocking=True)
-        in_shapes = in_shapes.to(device, non_blocking=True)
-        out_shapes = out_shapes.to(device, non_blocking=True)
-    if dtype is None:
-        return torch.ops.kt_regroup.permute_multi_embedding(
-            values, permutes, in_shapes, out_shapes, out_lengths
-        )
-    return torch.ops.kt_regroup.permute_multi_embedding_to(
-        values, permutes, in_shapes, out_shapes, out_lengths, dtype
-    )
-
-
-def _cast(values: List[torch.Tensor], dtype: Optional[torch.dtype]) -> List[torch.Tensor]:
-    if dtype is None:
-        return values
-    return [v.to(dtype) for v in values]
-
-
-def _with_views(
-    values: List[torch.Tensor],
-    copied: List[torch.Tensor],
     views: List[List[int]],
-    dtype: Optional[torch.dtype],
 ) -> List[torch.Tensor]:
-    """Puts the copied groups and the view groups in order.
+    """The fused op with a plan that matches ``values``; the cast is fused into the copy.
 
-    ``views[j]`` is ``[input, offset, width]`` for a view, ``[-1, 0, 0]`` for a copied
-    group (not ``[]``: TorchScript types a literal like ``[[0, 0, 5], []]`` as a union).
+    With ``allow_views``, ``views[j]`` is ``[input, offset, width]`` for a group returned
+    as a view and ``[-1, 0, 0]`` for a group the op copies (not ``[]``: TorchScript types
+    a literal like ``[[0, 0, 5], []]`` as a union); the plan then covers the copied
+    groups only. Without, ``views`` is empty.
     """
+    copied: List[torch.Tensor] = []
+    if len(out_lengths) > 0 or len(views) == 0:
+        if multi_device:
+            device = values[0].device
+            permutes = permutes.to(device, non_blocking=True)
+            in_shapes = in_shapes.to(device, non_blocking=True)
+            out_shapes = out_shapes.to(device, non_blocking=True)
+        if dtype is None:
+            copied = torch.ops.kt_regroup.permute_multi_embedding(
+                values, permutes, in_shapes, out_shapes, out_lengths
+            )
+        else:
+            copied = torch.ops.kt_regroup.permute_multi_embedding_to(
+                values, permutes, in_shapes, out_shapes, out_lengths, dtype
+            )
     if len(views) == 0:
         return copied
     out: List[torch.Tensor] = []
@@ -110,22 +101,10 @@ def _with_views(
     return out
 
 
-def _permute_with_views(
-    values: List[torch.Tensor],
-    permutes: torch.Tensor,
-    in_shapes: torch.Tensor,
-    out_shapes: torch.Tensor,
-    out_lengths: List[int],
-    multi_device: bool,
-    dtype: Optional[torch.dtype],
-    views: List[List[int]],
-) -> List[torch.Tensor]:
-    if len(views) == 0:
-        return _permute(values, permutes, in_shapes, out_shapes, out_lengths, multi_device, dtype)
-    copied: List[torch.Tensor] = []
-    if len(out_lengths) > 0:
-        copied = _permute(values, permutes, in_shapes, out_shapes, out_lengths, multi_device, dtype)
-    return _with_views(values, copied, views, dtype)
+def _cast(values: List[torch.Tensor], dtype: Optional[torch.dtype]) -> List[torch.Tensor]:
+    if dtype is None:
+        return values
+    return [v.to(dtype) for v in values]
 
 
 @torch.fx.wrap
@@ -145,7 +124,7 @@ def _regroup_with_plan(
     """Graph-mode regroup: the captured plan when the layout matches it, else uncached."""
     values = [kt.values() for kt in keyed_tensors]
     if _layout_matches(keyed_tensors, in_keys, in_lengths, 1):
-        return _permute_with_views(
+        return _permute(
             values, permutes, in_shapes, out_shapes, out_lengths, multi_device, dtype, views
         )
     for kt in keyed_tensors:
@@ -297,7 +276,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
                     # Buffers read from the dict: nn.Module.__getattr__ costs ~1 us per
                     # buffer, a third of a small regroup's budget.
                     buffers = self._buffers
-                    values = _permute_with_views(
+                    values = _permute(
                         [kt.values() for kt in keyed_tensors],
                         buffers["_permutes"],
                         buffers["_in_shapes"],
