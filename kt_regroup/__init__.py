@@ -1,19 +1,23 @@
 """kt_regroup: fused KeyedTensor regroup for TorchRec.
 
-``import kt_regroup`` registers ``torch.ops.kt_regroup.*`` (and loads the native CPU
-kernels when they are built). The torchrec-facing API (:class:`KTRegroupAsDict`,
-:func:`regroup`, :func:`regroup_as_dict`) imports torchrec on first use.
+``import kt_regroup`` loads the compiled op library (``kt_regroup/_C*.so``, built when
+the package is installed; :func:`library_path` gives its path), which registers
+``torch.ops.kt_regroup.*``. Nothing is compiled at import. The torchrec-facing API
+(:class:`KTRegroupAsDict`, :func:`regroup`, :func:`regroup_as_dict`) imports torchrec on
+first use.
 """
 
 from kt_regroup import ops
 from kt_regroup.ops import (
     backend,
-    get_plan,
     kt_regroup_arguments,
+    library_path,
     permute_multi_embedding,
+    permute_multi_embedding_into,
+    permute_multi_embedding_to,
     regroup_keyed_tensor,
 )
-from kt_regroup.plan import RegroupPlan
+from kt_regroup.plan import MissingKeyError, RegroupPlan, get_plan
 
 __version__ = "0.1.0"
 
@@ -35,13 +39,17 @@ def __getattr__(name: str):
 
 __all__ = [
     "KTRegroupAsDict",
+    "MissingKeyError",
     "RegroupPlan",
     "__version__",
     "backend",
     "get_plan",
     "kt_regroup_arguments",
+    "library_path",
     "ops",
     "permute_multi_embedding",
+    "permute_multi_embedding_into",
+    "permute_multi_embedding_to",
     "regroup",
     "regroup_as_dict",
     "regroup_keyed_tensor",

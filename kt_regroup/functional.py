@@ -1,11 +1,10 @@
 """Functional regroup of torchrec ``KeyedTensor``s.
 
 Same results as ``KeyedTensor.regroup`` / ``KeyedTensor.regroup_as_dict``, computed by
-``torch.ops.kt_regroup.regroup_keyed_tensor`` in one fused pass (the permute plan of
-each layout is memoised). These functions are ``torch.fx.wrap``-ed like torchrec's, so
-fx tracing keeps them as single calls, and they are TorchScript-able.
+``torch.ops.kt_regroup.regroup_keyed_tensor`` in one fused pass. These functions are
+``torch.fx.wrap``-ed like torchrec's, so fx tracing keeps them as single calls, and they
+are TorchScript-able.
 """
-
 
 from typing import Dict, List
 
@@ -17,30 +16,24 @@ import kt_regroup.ops  # noqa: F401  (registers torch.ops.kt_regroup)
 __all__ = ["regroup", "regroup_as_dict"]
 
 
-def _regroup_by_cat(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:
-    """Fallback for ``key_dim != 1``: gather the key blocks with one cat per call."""
-    key_dim = keyed_tensors[0].key_dim()
-    where: Dict[str, int] = {}
-    for i, kt in enumerate(keyed_tensors):
-        for key in kt.keys():
-            if key in where:
-                raise ValueError(f"kt_regroup: key '{key}' appears in input {where[key]} and input {i}")
-            where[key] = i
-    blocks: List[torch.Tensor] = []
-    splits: List[int] = []
-    for g, group in enumerate(groups):
-        width = 0
-        for key in group:
-            if key not in where:
-                raise KeyError(f"kt_regroup: group {g} asks for key '{key}', which is in none of the inputs")
-            kt = keyed_tensors[where[key]]
-            offsets = kt.offset_per_key()
-            k = kt._key_indices()[key]
-            length = offsets[k + 1] - offsets[k]
-            blocks.append(kt.values().narrow(key_dim, offsets[k], length))
-            width += length
-        splits.append(width)
-    return list(torch.cat(blocks, dim=key_dim).split(splits, dim=key_dim))
+def _regroup_along(
+    values: List[torch.Tensor],
+    keys: List[List[str]],
+    lengths: List[List[int]],
+    groups: List[List[str]],
+    dim: int,
+) -> List[torch.Tensor]:
+    """``key_dim != 1``: the op's plan, gathered with one ``cat`` along ``dim``."""
+    permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
+        torch.empty(0), keys, lengths, groups
+    )
+    rows = torch.jit.annotate(List[List[int]], permutes.long().tolist())
+    blocks = [values[r[0]].narrow(dim, r[2], r[4]) for r in rows]
+    if len(blocks) == 0:
+        size = list(values[0].shape)
+        size[dim] = 0
+        return [values[0].new_zeros(size) for g in groups]
+    return list(torch.cat(blocks, dim=dim).split(out_lengths, dim=dim))
 
 
 @torch.fx.wrap
@@ -55,15 +48,19 @@ def regroup(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[t
     """
     if len(keyed_tensors) == 0:
         raise ValueError("kt_regroup.regroup: keyed_tensors is empty")
-    for kt in keyed_tensors:
-        if kt.key_dim() != 1:
-            return _regroup_by_cat(keyed_tensors, groups)
-    return torch.ops.kt_regroup.regroup_keyed_tensor(
-        [kt.values() for kt in keyed_tensors],
-        [kt.keys() for kt in keyed_tensors],
-        [kt.length_per_key() for kt in keyed_tensors],
-        groups,
-    )
+    key_dim = keyed_tensors[0].key_dim()
+    for i, kt in enumerate(keyed_tensors):
+        if kt.key_dim() != key_dim:
+            raise ValueError(
+                f"kt_regroup.regroup: all inputs must have the same key_dim; input {i} has "
+                f"key_dim {kt.key_dim()}, input 0 has {key_dim}"
+            )
+    values = [kt.values() for kt in keyed_tensors]
+    keys = [kt.keys() for kt in keyed_tensors]
+    lengths = [kt.length_per_key() for kt in keyed_tensors]
+    if key_dim != 1:
+        return _regroup_along(values, keys, lengths, groups, key_dim)
+    return torch.ops.kt_regroup.regroup_keyed_tensor(values, keys, lengths, groups)
 
 
 @torch.fx.wrap
@@ -72,8 +69,6 @@ def regroup_as_dict(
 ) -> Dict[str, torch.Tensor]:
     """Like :func:`regroup`, with the groups returned by name."""
     if len(groups) != len(keys):
-        raise ValueError(
-            f"kt_regroup.regroup_as_dict: {len(groups)} groups but {len(keys)} keys"
-        )
+        raise ValueError(f"kt_regroup.regroup_as_dict: {len(groups)} groups but {len(keys)} keys")
     values = regroup(keyed_tensors, groups)
     return {key: values[i] for i, key in enumerate(keys)}

@@ -3,16 +3,17 @@
 The module builds its permute plan on the first forward and then calls the fused
 ``torch.ops.kt_regroup.permute_multi_embedding`` every step.
 
-Staleness: the plan is tied to the layout (keys and widths of every input) it was
-built for. Every eager call compares the layout with the cached one (list
-comparisons, a few microseconds) and **rebuilds** the plan when it differs, logging
-one warning per module. A graph captured by ``torch.fx`` or TorchScript cannot
-rebuild its constants: there the check runs too, and a call whose layout differs
-from the captured one is computed by the uncached fused path
-(``regroup_keyed_tensor``), so the answer is right either way. A graph traced before
-the first forward has no plan and always uses that uncached path.
-"""
+The plan and everything derived from it (buffers, layout, output widths) form one
+immutable :class:`RegroupPlanModule`, swapped in with one assignment: a forward reads
+it once, so threads sharing the module never see half of an old plan and half of a
+new one, and the warm path takes no lock.
 
+Staleness: each eager call compares the inputs' keys and widths with the plan's and
+builds a new plan when they differ (one warning per module). A graph captured by
+``torch.fx`` or TorchScript cannot rebuild its constants: there the same check runs and
+a call whose layout differs is computed by the uncached fused op, so the result is
+right either way.
+"""
 
 import logging
 from typing import Dict, List, Optional, Union
@@ -20,17 +21,16 @@ from typing import Dict, List, Optional, Union
 import torch
 import torch.fx._symbolic_trace as _fx_trace
 import torchrec.fx.tracer as _torchrec_tracer
-from torchrec.modules.embedding_configs import data_type_to_dtype
+from torchrec.modules.embedding_configs import data_type_to_dtype, dtype_to_data_type
 from torchrec.sparse.jagged_tensor import KeyedTensor
 from torchrec.types import CacheMixin, DataType
 
-import kt_regroup.ops  # noqa: F401  (registers torch.ops.kt_regroup)
-from kt_regroup.functional import _regroup_by_cat
-from kt_regroup.ops import get_plan
+from kt_regroup.functional import regroup
+from kt_regroup.plan import get_plan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KTRegroupAsDict"]
+__all__ = ["KTRegroupAsDict", "RegroupPlanModule"]
 
 
 def _layout_matches(
@@ -49,10 +49,15 @@ def _layout_matches(
 
 def _is_fx_tracing() -> bool:
     """True under torchrec's tracer and under plain ``torch.fx.symbolic_trace``."""
-    # Flag reads first: this runs on every eager call.
-    if _torchrec_tracer._is_fx_tracing_flag:
+    if _torchrec_tracer._is_fx_tracing_flag:  # flag reads first: this runs every call
         return True
     return _fx_trace._is_fx_tracing_flag and not torch.compiler.is_compiling()
+
+
+def _cast(values: List[torch.Tensor], dtype: Optional[torch.dtype]) -> List[torch.Tensor]:
+    if dtype is None:
+        return values
+    return [v.to(dtype) for v in values]
 
 
 def _permute(
@@ -67,10 +72,9 @@ def _permute(
 ) -> List[torch.Tensor]:
     """The fused op with a plan that matches ``values``; the cast is fused into the copy.
 
-    With ``allow_views``, ``views[j]`` is ``[input, offset, width]`` for a group returned
-    as a view and ``[-1, 0, 0]`` for a group the op copies (not ``[]``: TorchScript types
-    a literal like ``[[0, 0, 5], []]`` as a union); the plan then covers the copied
-    groups only. Without, ``views`` is empty.
+    ``views`` (``allow_views``) holds per group ``[input, offset, width]`` for a group
+    returned as a view and ``[-1, 0, 0]`` for a group the op copies; the plan then covers
+    the copied groups only. Without views it is empty.
     """
     copied: List[torch.Tensor] = []
     if len(out_lengths) > 0 or len(views) == 0:
@@ -101,18 +105,13 @@ def _permute(
     return out
 
 
-def _cast(values: List[torch.Tensor], dtype: Optional[torch.dtype]) -> List[torch.Tensor]:
-    if dtype is None:
-        return values
-    return [v.to(dtype) for v in values]
-
-
 @torch.fx.wrap
 def _regroup_with_plan(
     keyed_tensors: List[KeyedTensor],
     groups: List[List[str]],
     in_keys: List[List[str]],
     in_lengths: List[List[int]],
+    key_dim: int,
     permutes: torch.Tensor,
     in_shapes: torch.Tensor,
     out_shapes: torch.Tensor,
@@ -122,26 +121,84 @@ def _regroup_with_plan(
     views: List[List[int]],
 ) -> List[torch.Tensor]:
     """Graph-mode regroup: the captured plan when the layout matches it, else uncached."""
-    values = [kt.values() for kt in keyed_tensors]
-    if _layout_matches(keyed_tensors, in_keys, in_lengths, 1):
+    if key_dim == 1 and _layout_matches(keyed_tensors, in_keys, in_lengths, key_dim):
+        values = [kt.values() for kt in keyed_tensors]
         return _permute(
             values, permutes, in_shapes, out_shapes, out_lengths, multi_device, dtype, views
         )
-    for kt in keyed_tensors:
-        if kt.key_dim() != 1:
-            return _cast(_regroup_by_cat(keyed_tensors, groups), dtype)
-    regrouped = torch.ops.kt_regroup.regroup_keyed_tensor(
-        values,
-        [kt.keys() for kt in keyed_tensors],
-        [kt.length_per_key() for kt in keyed_tensors],
-        groups,
-    )
-    return _cast(regrouped, dtype)
+    return _cast(regroup(keyed_tensors, groups), dtype)
 
 
 @torch.fx.wrap
 def _to_tensor_dict(keys: List[str], values: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {key: values[i] for i, key in enumerate(keys)}
+
+
+class RegroupPlanModule(torch.nn.Module):
+    """The cached plan of one input layout: what :class:`KTRegroupAsDict` swaps in.
+
+    Owns the plan's tensors as non-persistent buffers (they follow ``.to()`` and
+    DistributedModelParallel's device moves, and stay out of ``state_dict``). Nothing
+    changes it after construction except :meth:`set_device`.
+    """
+
+    in_keys: List[List[str]]
+    in_lengths: List[List[int]]
+    key_dim: int
+    out_lengths: List[int]
+    views: List[List[int]]
+
+    def __init__(
+        self,
+        keyed_tensors: Optional[List[KeyedTensor]] = None,
+        groups: Optional[List[List[str]]] = None,
+        allow_views: bool = False,
+    ) -> None:
+        super().__init__()
+        self.in_keys = []
+        self.in_lengths = []
+        self.key_dim = 1
+        self.out_lengths = []
+        self.views = []  # per group: [input, offset, width] = a view, [-1, 0, 0] = copied
+        permutes = torch.empty(0, 6, dtype=torch.int32)
+        in_shapes = out_shapes = torch.empty(0, dtype=torch.int32)
+        if keyed_tensors is not None and groups is not None:
+            if len(keyed_tensors) == 0:
+                raise ValueError("KTRegroupAsDict: keyed_tensors is empty")
+            self.key_dim = keyed_tensors[0].key_dim()
+            for i, kt in enumerate(keyed_tensors):
+                if kt.key_dim() != self.key_dim:
+                    raise ValueError(
+                        f"KTRegroupAsDict: all inputs must have the same key_dim; input {i} "
+                        f"has key_dim {kt.key_dim()}, input 0 has {self.key_dim}"
+                    )
+            self.in_keys = [list(kt.keys()) for kt in keyed_tensors]
+            self.in_lengths = [list(kt.length_per_key()) for kt in keyed_tensors]
+            plan = get_plan(self.in_keys, self.in_lengths, groups)  # layout errors
+            if allow_views and self.key_dim == 1:
+                specs = plan.view_specs()
+                if any(spec is not None for spec in specs):
+                    self.views = [[-1, 0, 0] if s is None else list(s) for s in specs]
+                    plan = plan.restricted([j for j, s in enumerate(specs) if s is None])
+            self.out_lengths = list(plan.out_lengths)
+            device = keyed_tensors[0].values().device
+            # Clones: the module's buffers are its own, whatever is done to them.
+            permutes, in_shapes, out_shapes = (t.clone() for t in plan.coalesced_tensors(device))
+        self.register_buffer("_permutes", permutes, persistent=False)
+        self.register_buffer("_in_shapes", in_shapes, persistent=False)
+        self.register_buffer("_out_shapes", out_shapes, persistent=False)
+
+    def matches(self, keyed_tensors: List[KeyedTensor]) -> bool:
+        """Whether ``keyed_tensors`` have the keys and widths this plan was built for."""
+        return len(self.in_keys) > 0 and _layout_matches(
+            keyed_tensors, self.in_keys, self.in_lengths, self.key_dim
+        )
+
+    @torch.jit.export
+    def set_device(self, device: str) -> None:
+        self._permutes = self._permutes.to(device)
+        self._in_shapes = self._in_shapes.to(device)
+        self._out_shapes = self._out_shapes.to(device)
 
 
 class KTRegroupAsDict(torch.nn.Module, CacheMixin):
@@ -157,8 +214,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         allow_views: opt-in zero-copy. A group that is one contiguous run of columns of
             one input (e.g. all keys of one KeyedTensor, in order) comes back as a view
             of that input (``values.narrow(1, offset, width)``) instead of a copy. Such
-            outputs alias the input: writing to one changes the other, and they are
-            not contiguous. Other groups are copied as usual. Off by default (torchrec's
+            outputs alias the input and are not contiguous. Off by default (torchrec's
             module always returns fresh tensors).
 
     Example::
@@ -169,17 +225,15 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         {'user': torch.Size([2, 8]), 'item': torch.Size([2, 4])}
     """
 
+    # torchrec's form of emb_dtype, for torchrec's tools (its IR serializer); the forward
+    # uses the torch dtype, _dtype.
+    __jit_ignored_attributes__ = ["_emb_dtype"]
+
     _groups: List[List[str]]
     _keys: List[str]
-    _emb_dtype: Optional[torch.dtype]
+    _dtype: Optional[torch.dtype]
     _multi_device: bool
-    _in_keys: List[List[str]]
-    _in_lengths: List[List[int]]
-    _out_lengths: List[int]
-    _is_inited: bool
-    _dim: int
     _allow_views: bool
-    _views: List[List[int]]
 
     def __init__(
         self,
@@ -198,61 +252,34 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         self._groups = [list(g) for g in groups]
         self._keys = list(keys)
         if isinstance(emb_dtype, DataType):
-            emb_dtype = data_type_to_dtype(emb_dtype)
+            self._dtype = data_type_to_dtype(emb_dtype)
+        else:
+            self._dtype = emb_dtype
+            try:  # torchrec's DataType where it has one (not for float64)
+                emb_dtype = None if emb_dtype is None else dtype_to_data_type(emb_dtype)
+            except Exception:
+                pass
         self._emb_dtype = emb_dtype
         self._multi_device = multi_device
-        self._is_inited = False
-        self._dim = 1
-        self._stale_warned = False
-        self._in_keys = []
-        self._in_lengths = []
-        self._out_lengths = []
         self._allow_views = allow_views
-        self._views = []  # per group: [input, offset, width] = a view, [-1, 0, 0] = copied
-        self.register_buffer("_permutes", torch.empty(0, 6, dtype=torch.int32), persistent=False)
-        self.register_buffer("_in_shapes", torch.empty(0, dtype=torch.int32), persistent=False)
-        self.register_buffer("_out_shapes", torch.empty(0, dtype=torch.int32), persistent=False)
-
-    def _build_plan(self, keyed_tensors: List[KeyedTensor]) -> None:
-        if len(keyed_tensors) == 0:
-            raise ValueError("KTRegroupAsDict: keyed_tensors is empty")
-        device = keyed_tensors[0].values().device
-        for i, kt in enumerate(keyed_tensors):
-            if kt.values().device != device:
-                raise ValueError(
-                    f"KTRegroupAsDict: input {i} is on {kt.values().device}, input 0 on {device}"
-                )
-        in_keys = [list(kt.keys()) for kt in keyed_tensors]
-        in_lengths = [list(kt.length_per_key()) for kt in keyed_tensors]
-        plan = get_plan(in_keys, in_lengths, self._groups)  # validates the layout
-        self._dim = keyed_tensors[0].key_dim()
-        views: List[List[int]] = []
-        if self._allow_views:
-            specs = plan.view_specs()
-            if any(spec is not None for spec in specs):
-                views = [[-1, 0, 0] if spec is None else list(spec) for spec in specs]
-                plan = plan.restricted([j for j, spec in enumerate(specs) if spec is None])
-        self._permutes, self._in_shapes, self._out_shapes = plan.tensors(device)
-        self._in_keys = in_keys
-        self._in_lengths = in_lengths
-        self._out_lengths = list(plan.out_lengths)
-        self._views = views
-        self._is_inited = True
+        self._stale_warned = False
+        self._plan = RegroupPlanModule()
 
     @torch.jit.ignore
-    def _refresh_plan(self, keyed_tensors: List[KeyedTensor]) -> None:
-        """Builds the plan on the first call, rebuilds it when the layout changed."""
-        if self._is_inited:
-            # dynamo cannot trace a logger call (fullgraph compile would fail): the
-            # warning is an eager-mode courtesy, the rebuild below happens either way.
-            if not self._stale_warned and not torch.compiler.is_compiling():
-                logger.warning(
-                    "KTRegroupAsDict(keys=%s): the inputs' keys or widths changed since the "
-                    "plan was built; rebuilding it (this warning is shown once per module)",
-                    self._keys,
-                )
-                self._stale_warned = True
-        self._build_plan(keyed_tensors)
+    def _build_plan(self, keyed_tensors: List[KeyedTensor]) -> RegroupPlanModule:
+        """Builds the plan for this layout and swaps it in (one assignment)."""
+        plan = RegroupPlanModule(keyed_tensors, self._groups, self._allow_views)
+        old = self._modules["_plan"]
+        # dynamo cannot trace a logger call; the rebuild happens either way.
+        if len(old.in_keys) > 0 and not self._stale_warned and not torch.compiler.is_compiling():
+            logger.warning(
+                "KTRegroupAsDict(keys=%s): the inputs' keys or widths changed since the plan "
+                "was built; rebuilding it (shown once per module)",
+                self._keys,
+            )
+            self._stale_warned = True
+        self._plan = plan
+        return plan
 
     def forward(self, keyed_tensors: List[KeyedTensor]) -> Dict[str, torch.Tensor]:
         """
@@ -264,50 +291,45 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         """
         if not torch.jit.is_scripting():
             if not _is_fx_tracing():
-                # Eager and torch.compile: the cached plan is always the current one.
-                if not (
-                    self._is_inited
-                    and _layout_matches(keyed_tensors, self._in_keys, self._in_lengths, self._dim)
-                ):
-                    self._refresh_plan(keyed_tensors)
-                if self._dim != 1:
-                    values = _cast(_regroup_by_cat(keyed_tensors, self._groups), self._emb_dtype)
+                # Eager and torch.compile: one read of the plan, rebuilt if it is stale.
+                plan = self._modules["_plan"]
+                if not plan.matches(keyed_tensors):
+                    plan = self._build_plan(keyed_tensors)
+                if plan.key_dim != 1:
+                    values = _cast(regroup(keyed_tensors, self._groups), self._dtype)
                 else:
-                    # Buffers read from the dict: nn.Module.__getattr__ costs ~1 us per
-                    # buffer, a third of a small regroup's budget.
-                    buffers = self._buffers
+                    buffers = plan._buffers  # ~1 us cheaper per buffer than attribute access
                     values = _permute(
                         [kt.values() for kt in keyed_tensors],
                         buffers["_permutes"],
                         buffers["_in_shapes"],
                         buffers["_out_shapes"],
-                        self._out_lengths,
+                        plan.out_lengths,
                         self._multi_device,
-                        self._emb_dtype,
-                        self._views,
+                        self._dtype,
+                        plan.views,
                     )
                 return _to_tensor_dict(self._keys, values)
         # fx tracing and TorchScript: the captured plan, checked on every call.
         values = _regroup_with_plan(
             keyed_tensors,
             self._groups,
-            self._in_keys,
-            self._in_lengths,
-            self._permutes,
-            self._in_shapes,
-            self._out_shapes,
-            self._out_lengths,
+            self._plan.in_keys,
+            self._plan.in_lengths,
+            self._plan.key_dim,
+            self._plan._permutes,
+            self._plan._in_shapes,
+            self._plan._out_shapes,
+            self._plan.out_lengths,
             self._multi_device,
-            self._emb_dtype,
-            self._views,
+            self._dtype,
+            self._plan.views,
         )
         return _to_tensor_dict(self._keys, values)
 
     @torch.jit.export
     def set_device(self, device: str) -> None:
-        self._permutes = self._permutes.to(device)
-        self._in_shapes = self._in_shapes.to(device)
-        self._out_shapes = self._out_shapes.to(device)
+        self._plan.set_device(device)
 
     def clear_cache(self) -> None:
-        self._is_inited = False
+        self._plan = RegroupPlanModule()

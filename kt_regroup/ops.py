@@ -1,264 +1,308 @@
-"""``torch.ops.kt_regroup``: schemas, fake kernels, autograd and the portable kernels.
+"""``torch.ops.kt_regroup``: the Python side of the op library.
 
-The schemas are FBGEMM's, so each op is a drop-in replacement for its
-``torch.ops.fbgemm`` namesake. They are defined here, in Python, so the ops and
-their fake kernels exist even when no compiled code is loaded; compiled code
-(``kernels/cpu.py``) only adds device kernels (and, when it has them, a C++ autograd
-kernel that replaces the Python one registered here).
+The ops, their schemas, kernels and autograd live in the compiled library
+``kt_regroup/_C*.so`` (``kt_regroup/csrc``, built when the package is installed), so a
+TorchScript or AOTInductor model runs where only that library is loaded. This module
 
-Ops:
+1. loads the library (``KT_REGROUP_BACKEND=reference`` skips it), or, where it is
+   absent, defines the same schemas here with the portable Python kernels and a Python
+   autograd, after one warning;
+2. registers the fake kernels (compile, export), whose output sizes come from the
+   ``SymInt`` arguments, never from data;
+3. offers typed Python wrappers.
 
-* ``permute_multi_embedding(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes,
-  Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]``
-* ``permute_multi_embedding_backward(Tensor?[] grad_outputs, Tensor permutes,
-  Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, SymInt batch_size,
-  ScalarType dtype) -> Tensor[]`` (the backward, an op of its own so compile and
-  export see it)
-* ``kt_regroup_arguments(Tensor embs, str[][] keys, int[][] lengths, str[][] groups)
-  -> (Tensor, Tensor, Tensor, int[])``
-* ``regroup_keyed_tensor(Tensor[] pooled_embs, str[][] keys, int[][] lengths,
-  str[][] groups) -> Tensor[]``
+Ops (FBGEMM's schemas where FBGEMM has the op)::
+
+    permute_multi_embedding(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes,
+        Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]
+    permute_multi_embedding_backward(Tensor?[] grad_outputs, Tensor permutes,
+        Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, SymInt batch_size,
+        ScalarType dtype) -> Tensor[]
+    permute_multi_embedding_to(..., SymInt[] out_lengths, ScalarType? dtype=None)
+        -> Tensor[]                                  (the regroup with a fused cast)
+    permute_multi_embedding_into(..., Tensor(a!)[] outs) -> ()  (preallocated outputs)
+    kt_regroup_arguments(Tensor embs, str[][] keys, int[][] lengths, str[][] groups)
+        -> (Tensor, Tensor, Tensor, int[])
+    regroup_keyed_tensor(Tensor[] pooled_embs, str[][] keys, int[][] lengths,
+        str[][] groups) -> Tensor[]
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
-from typing import Dict, List, Sequence, Tuple
+from pathlib import Path
+from typing import List, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from kt_regroup.kernels.reference import (
-    permute_multi_embedding_backward_reference,
-    permute_multi_embedding_reference,
-)
-from kt_regroup.kernels.validation import check_metadata, check_tensor_list
-from kt_regroup.plan import PERMUTE_COLUMNS, RegroupPlan
+from kt_regroup.kernels import reference
+from kt_regroup.kernels.validation import check_structure
+from kt_regroup.plan import PERMUTE_COLUMNS, get_plan
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "BACKEND_ENV",
+    "SCHEMAS",
+    "backend",
+    "kt_regroup_arguments",
+    "library_path",
+    "permute_multi_embedding",
+    "permute_multi_embedding_into",
+    "permute_multi_embedding_to",
+    "regroup_keyed_tensor",
+    "requested_backend",
+]
+
 NAMESPACE = "kt_regroup"
-BACKEND_ENV = "KT_REGROUP_BACKEND"  # "auto" (default), "reference" or "cpp"
+BACKEND_ENV = "KT_REGROUP_BACKEND"
+_BACKENDS = ("auto", "reference", "cpp")
 
-_lib = torch.library.Library(NAMESPACE, "DEF")
-_lib.define(
-    "permute_multi_embedding(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
-    "Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]"
-)
-_lib.define(
-    "permute_multi_embedding_backward(Tensor?[] grad_outputs, Tensor permutes, "
+# The schemas of csrc/ops.cpp, defined here only where the library is absent (a test
+# checks that both sets are identical).
+SCHEMAS = {
+    "permute_multi_embedding": "(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
+    "Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]",
+    "permute_multi_embedding_backward": "(Tensor?[] grad_outputs, Tensor permutes, "
     "Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, SymInt batch_size, "
-    "ScalarType dtype) -> Tensor[]"
-)
-_lib.define(
-    "kt_regroup_arguments(Tensor embs, str[][] keys, int[][] lengths, str[][] groups) "
-    "-> (Tensor, Tensor, Tensor, int[])"
-)
-_lib.define(
-    "regroup_keyed_tensor(Tensor[] pooled_embs, str[][] keys, int[][] lengths, "
-    "str[][] groups) -> Tensor[]"
-)
-
-# --- portable kernels: every device; a device-specific kernel (CPU, CUDA) overrides them.
-_lib.impl("permute_multi_embedding", permute_multi_embedding_reference, "CompositeExplicitAutograd")
-_lib.impl(
-    "permute_multi_embedding_backward",
-    permute_multi_embedding_backward_reference,
-    "CompositeExplicitAutograd",
-)
+    "ScalarType dtype) -> Tensor[]",
+    "permute_multi_embedding_to": "(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
+    "Tensor out_shapes, SymInt[] out_lengths, ScalarType? dtype=None) -> Tensor[]",
+    "permute_multi_embedding_into": "(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
+    "Tensor out_shapes, Tensor(a!)[] outs) -> ()",
+    "kt_regroup_arguments": "(Tensor embs, str[][] keys, int[][] lengths, str[][] groups) "
+    "-> (Tensor, Tensor, Tensor, int[])",
+    "regroup_keyed_tensor": "(Tensor[] pooled_embs, str[][] keys, int[][] lengths, "
+    "str[][] groups) -> Tensor[]",
+}
 
 
-# --- fake kernels: output sizes come from the SymInt arguments, never from data.
-def _check_not_meta_only(op, metadata, name, data):
-    # Metadata on "meta" next to real data would dispatch here, to the fake kernel, and
-    # return uninitialised real tensors: refuse it.
-    if data.device.type == "meta":
-        return
-    for meta_name, t in zip(("permutes", "in_shapes", "out_shapes"), metadata):
-        if t.device.type == "meta":
-            raise ValueError(
-                f"kt_regroup.{op}: {meta_name} is on meta but {name} is on {data.device}; "
-                "metadata and data must be on real devices together"
+# --- 1. the compiled library ---------------------------------------------------------------
+
+
+def requested_backend() -> str:
+    """``KT_REGROUP_BACKEND``: ``auto`` (default), ``reference`` (skip the compiled
+    library: the portable Python kernels) or ``cpp`` (the library is required)."""
+    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if value not in _BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={value!r}: expected one of {', '.join(_BACKENDS)}")
+    return value
+
+
+def _built_with_torch(path: Path) -> Optional[str]:
+    try:
+        fn = ctypes.CDLL(str(path)).kt_regroup_built_with_torch
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def _warn_if_outdated(path: Path) -> None:
+    built = _built_with_torch(path)
+    running = torch.__version__.split("+")[0]
+    if built is not None and built.split("+")[0] != running:
+        logger.warning(
+            "kt_regroup: %s was built for torch %s but torch %s is running; reinstall "
+            "kt_regroup (pip install --no-build-isolation .) if it misbehaves",
+            path, built, running,
+        )
+    sources = path.parent / "csrc"
+    if sources.is_dir():  # a source checkout: has the library been rebuilt since edits?
+        newest = max((p.stat().st_mtime for p in sources.iterdir()), default=0.0)
+        if newest > path.stat().st_mtime:
+            logger.warning(
+                "kt_regroup: %s is older than the sources in %s; rebuild it "
+                "(pip install --no-build-isolation -e . or python setup.py build_ext --inplace)",
+                path, sources,
             )
 
 
-@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding", lib=_lib)
-def _permute_multi_embedding_fake(pooled_embs, permutes, in_shapes, out_shapes, out_lengths):
-    op = "permute_multi_embedding"
-    check_tensor_list(op, "pooled_embs", pooled_embs)
-    check_metadata(op, permutes, in_shapes, out_shapes, len(pooled_embs), out_lengths)
-    first = pooled_embs[0]
-    _check_not_meta_only(op, (permutes, in_shapes, out_shapes), "pooled_embs[0]", first)
-    return [first.new_empty(first.size(0), n) for n in out_lengths]
+def _load_library() -> Optional[Path]:
+    wanted = requested_backend()
+    if wanted == "reference":
+        return None
+    found = sorted(Path(__file__).resolve().parent.glob("_C*.so"))
+    problem = "it is not built (no kt_regroup/_C*.so)"
+    if found:
+        try:
+            torch.ops.load_library(str(found[0]))
+        except (OSError, RuntimeError) as exc:
+            lines = str(exc).strip().splitlines()
+            problem = f"{found[0]} does not load ({lines[0] if lines else type(exc).__name__})"
+        else:
+            _warn_if_outdated(found[0])
+            return found[0]
+    if wanted == "cpp":
+        raise RuntimeError(f"kt_regroup: {BACKEND_ENV}=cpp but the compiled op library {problem}")
+    logger.warning(
+        "kt_regroup: the compiled op library is unavailable: %s. Using the portable PyTorch "
+        "kernels; install with `pip install --no-build-isolation .` to build it.",
+        problem,
+    )
+    return None
 
 
-@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_backward", lib=_lib)
-def _permute_multi_embedding_backward_fake(
-    grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype
-):
-    op = "permute_multi_embedding_backward"
-    check_metadata(op, permutes, in_shapes, out_shapes, len(in_lengths), [0] * len(grad_outputs))
-    defined = [g for g in grad_outputs if g is not None]
-    if defined:
-        j = next(j for j, g in enumerate(grad_outputs) if g is not None)
-        _check_not_meta_only(op, (permutes, in_shapes, out_shapes), f"grad_outputs[{j}]", defined[0])
-    device = defined[0].device if defined else permutes.device
-    return [torch.empty(batch_size, n, dtype=dtype, device=device) for n in in_lengths]
+_LIBRARY = _load_library()
 
 
-# --- autograd: the backward is itself an op.
-# Shared by permute_multi_embedding and permute_multi_embedding_to (one extra argument,
-# the output dtype; gradients still come back in the input dtype).
-def _setup_context(ctx, inputs, output):
+def library_path() -> Optional[str]:
+    """The compiled op library in use, for C++ users (``torch::jit`` / AOTInductor
+    predictors load it next to the model), or ``None`` when there is none.
+
+    Example::
+
+        >>> torch.ops.load_library(kt_regroup.library_path())  # doctest: +SKIP
+    """
+    return None if _LIBRARY is None else str(_LIBRARY)
+
+
+# --- 2. without the library: schemas, portable kernels and autograd defined here ----------
+
+
+def _kt_regroup_arguments_reference(embs, keys, lengths, groups):
+    plan = get_plan(keys, lengths, groups)
+    return (*plan.tensors(embs.device), list(plan.out_lengths))
+
+
+def _regroup_keyed_tensor_reference(pooled_embs, keys, lengths, groups):
+    if len(pooled_embs) != len(keys):
+        raise ValueError(
+            f"kt_regroup.regroup_keyed_tensor: {len(pooled_embs)} tensors but keys for {len(keys)}"
+        )
+    plan = get_plan(keys, lengths, groups)
+    return torch.ops.kt_regroup.permute_multi_embedding(
+        pooled_embs, *plan.coalesced_tensors(pooled_embs[0].device), list(plan.out_lengths)
+    )
+
+
+def _setup_permute(ctx, inputs, output):
     pooled_embs, permutes, in_shapes, out_shapes = inputs[:4]
-    # Index tensors, never modified in place: kept as attributes rather than saved, so
-    # plan tensors cached under torch.inference_mode() still work with autograd.
+    # Index tensors nothing modifies: attributes rather than saved tensors, so plans made
+    # under torch.inference_mode() train too.
     ctx.plan_tensors = (permutes, in_shapes, out_shapes)
     ctx.in_lengths = [t.size(1) for t in pooled_embs]
     ctx.batch_size = pooled_embs[0].size(0)
     ctx.dtype = pooled_embs[0].dtype
-    ctx.n_inputs = len(inputs)
+    ctx.n_rest = len(inputs) - 1
 
 
-def _backward(ctx, grads):
-    permutes, in_shapes, out_shapes = ctx.plan_tensors
+def _permute_backward(ctx, grads):
     grad_inputs = torch.ops.kt_regroup.permute_multi_embedding_backward(
-        list(grads), permutes, in_shapes, out_shapes, ctx.in_lengths, ctx.batch_size, ctx.dtype
+        list(grads), *ctx.plan_tensors, ctx.in_lengths, ctx.batch_size, ctx.dtype
     )
-    return (grad_inputs,) + (None,) * (ctx.n_inputs - 1)
+    return (grad_inputs,) + (None,) * ctx.n_rest
 
 
-# --- plan ops -----------------------------------------------------------------------------
+def _setup_backward(ctx, inputs, output):
+    grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype = inputs
+    ctx.plan_tensors = (permutes, in_shapes, out_shapes)
+    ctx.widths = [None if g is None else g.size(1) for g in grad_outputs]
+    ctx.grad_dtype = next((g.dtype for g in grad_outputs if g is not None), dtype)
 
 
-def _layout_key(keys, lengths, groups) -> Tuple:
-    return (
-        tuple(tuple(k) for k in keys),
-        tuple(tuple(int(w) for w in t) for t in lengths),
-        tuple(tuple(g) for g in groups),
+def _backward_backward(ctx, grad_grads):
+    widths = ctx.widths
+    if None in widths:
+        declared = ctx.plan_tensors[2].tolist()
+        widths = [declared[j] if w is None else w for j, w in enumerate(widths)]
+    like = next(g for g in grad_grads if g is not None)
+    inputs = [torch.zeros_like(like) if g is None else g for g in grad_grads]
+    grads = torch.ops.kt_regroup.permute_multi_embedding_to(
+        inputs, *ctx.plan_tensors, widths, ctx.grad_dtype
     )
+    return (grads,) + (None,) * 6
 
 
-# A plain dict rather than functools.lru_cache: dynamo traces it without a warning.
-_plans: Dict[Tuple, RegroupPlan] = {}
-_MAX_PLANS = 64
+def _define_without_library() -> torch.library.Library:
+    lib = torch.library.Library(NAMESPACE, "DEF")
+    for name, schema in SCHEMAS.items():
+        lib.define(name + schema)
+    for name, kernel in (
+        ("permute_multi_embedding", reference.permute_multi_embedding_reference),
+        ("permute_multi_embedding_to", reference.permute_multi_embedding_to_reference),
+        ("permute_multi_embedding_into", reference.permute_multi_embedding_into_reference),
+        ("permute_multi_embedding_backward", reference.permute_multi_embedding_backward_reference),
+        ("kt_regroup_arguments", _kt_regroup_arguments_reference),
+    ):
+        lib.impl(name, kernel, "CompositeExplicitAutograd")
+    lib.impl("regroup_keyed_tensor", _regroup_keyed_tensor_reference, "CompositeImplicitAutograd")
+    for name in ("permute_multi_embedding", "permute_multi_embedding_to"):
+        torch.library.register_autograd(
+            f"{NAMESPACE}::{name}", _permute_backward, setup_context=_setup_permute, lib=lib
+        )
+    torch.library.register_autograd(
+        f"{NAMESPACE}::permute_multi_embedding_backward",
+        _backward_backward,
+        setup_context=_setup_backward,
+        lib=lib,
+    )
+    return lib
 
 
-def get_plan(
-    keys: Sequence[Sequence[str]],
-    lengths: Sequence[Sequence[int]],
-    groups: Sequence[Sequence[str]],
-) -> RegroupPlan:
-    """The :class:`RegroupPlan` of a layout, memoised (the 64 newest layouts)."""
-    try:
-        layout = _layout_key(keys, lengths, groups)
-        plan = _plans.get(layout)
-    except TypeError:  # unhashable junk in the layout: let the plan explain what is wrong
-        return RegroupPlan.build(keys, lengths, groups)
-    if plan is None:
-        plan = RegroupPlan.build(*layout)
-        if len(_plans) >= _MAX_PLANS:
-            del _plans[next(iter(_plans))]
-        _plans[layout] = plan
-    return plan
+if _LIBRARY is None:
+    _lib = _define_without_library()
 
 
-_plan_tensors: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+# --- 3. fake kernels -------------------------------------------------------------------------
 
 
-def _plan_tensors_on(plan: RegroupPlan, device: torch.device):
-    # Cache real tensors only in plain eager mode; under fake/proxy modes (compile,
-    # export) they are made afresh so the tracer owns them.
-    if _get_current_dispatch_mode() is not None or torch.compiler.is_compiling():
-        return plan.tensors(device)
-    key = (id(plan), str(device))
-    hit = _plan_tensors.get(key)
-    if hit is None:
-        if len(_plan_tensors) > 256:
-            _plan_tensors.clear()
-        hit = _plan_tensors[key] = plan.tensors(device)
-    return hit
+@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding")
+def _(pooled_embs, permutes, in_shapes, out_shapes, out_lengths):
+    return _permute_to_fake(pooled_embs, permutes, in_shapes, out_shapes, out_lengths)
 
 
-def _kt_regroup_arguments_impl(embs, keys, lengths, groups):
+@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_to")
+def _permute_to_fake(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype=None):
+    check_structure("permute_multi_embedding", "pooled_embs", pooled_embs, permutes, in_shapes,
+                    out_shapes, len(pooled_embs), out_lengths)
+    first = pooled_embs[0]
+    return [first.new_empty(first.size(0), n, dtype=dtype or first.dtype) for n in out_lengths]
+
+
+@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_into")
+def _(pooled_embs, permutes, in_shapes, out_shapes, outs):
+    check_structure("permute_multi_embedding_into", "pooled_embs", pooled_embs, permutes,
+                    in_shapes, out_shapes, len(pooled_embs), [o.size(-1) for o in outs])
+
+
+@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_backward")
+def _(grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype):
+    check_structure("permute_multi_embedding_backward", "grad_outputs", grad_outputs, permutes,
+                    in_shapes, out_shapes, len(in_lengths), in_lengths, allow_none=True)
+    device = next((g.device for g in grad_outputs if g is not None), permutes.device)
+    return [torch.empty(batch_size, n, dtype=dtype, device=device) for n in in_lengths]
+
+
+@torch.library.register_fake(f"{NAMESPACE}::kt_regroup_arguments")
+def _(embs, keys, lengths, groups):
     plan = get_plan(keys, lengths, groups)
-    permutes, in_shapes, out_shapes = plan.tensors(embs.device, coalesced=False)
-    return permutes, in_shapes, out_shapes, list(plan.out_lengths)
-
-
-_lib.impl("kt_regroup_arguments", _kt_regroup_arguments_impl, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake(f"{NAMESPACE}::kt_regroup_arguments", lib=_lib)
-def _kt_regroup_arguments_fake(embs, keys, lengths, groups):
-    plan = get_plan(keys, lengths, groups)
-    dev = embs.device
+    empty = lambda *size: torch.empty(*size, dtype=torch.int32, device=embs.device)  # noqa: E731
     return (
-        torch.empty(len(plan.rows), PERMUTE_COLUMNS, dtype=torch.int32, device=dev),
-        torch.empty(len(plan.in_lengths), dtype=torch.int32, device=dev),
-        torch.empty(len(plan.out_lengths), dtype=torch.int32, device=dev),
+        empty(len(plan.rows), PERMUTE_COLUMNS),
+        empty(len(plan.in_lengths)),
+        empty(len(plan.out_lengths)),
         list(plan.out_lengths),
     )
 
 
-def _regroup_keyed_tensor_impl(pooled_embs, keys, lengths, groups):
-    if len(pooled_embs) != len(keys):
-        raise ValueError(
-            f"kt_regroup.regroup_keyed_tensor: {len(pooled_embs)} tensors but keys for "
-            f"{len(keys)}"
-        )
-    plan = get_plan(keys, lengths, groups)
-    permutes, in_shapes, out_shapes = _plan_tensors_on(plan, pooled_embs[0].device)
-    return torch.ops.kt_regroup.permute_multi_embedding(
-        pooled_embs, permutes, in_shapes, out_shapes, plan.out_lengths
-    )
-
-
-# Composite: decomposes into permute_multi_embedding, whose autograd and kernels apply.
-_lib.impl("regroup_keyed_tensor", _regroup_keyed_tensor_impl, "CompositeImplicitAutograd")
-
-
-# --- compiled kernels -------------------------------------------------------------------------
-
-
-def requested_backend() -> str:
-    """The backend asked for by ``KT_REGROUP_BACKEND`` (``auto`` when unset)."""
-    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-    if value not in ("auto", "reference", "cpp"):
-        raise ValueError(f"{BACKEND_ENV}={value!r}: expected one of auto, reference, cpp")
-    return value
-
-
-def _load_compiled_kernels() -> bool:
-    if requested_backend() == "reference":
-        return False
-    try:
-        from kt_regroup.kernels import cpu
-    except ImportError:  # the module is not there yet in this build
-        return False
-    return cpu.load(required=requested_backend() == "cpp")
-
-
-NATIVE_CPU = _load_compiled_kernels()
-
-
-def _has_kernel(op: str, key: str) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", key)
-
-
-if not _has_kernel("permute_multi_embedding", "Autograd"):
-    torch.library.register_autograd(
-        f"{NAMESPACE}::permute_multi_embedding", _backward, setup_context=_setup_context, lib=_lib
-    )
+# --- 4. what serves a device -------------------------------------------------------------------
 
 
 def backend(device: torch.device | str = "cpu") -> str:
-    """Which kernel serves ``permute_multi_embedding`` on ``device``: ``cpp`` or ``reference``."""
+    """The kernel that serves ``permute_multi_embedding`` on ``device``: ``cpp`` (the
+    native CPU kernel) or ``reference`` (the portable kernel, in C++ when the library is
+    loaded, else in Python)."""
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
-    if key is not None and _has_kernel("permute_multi_embedding", key):
-        return "cpp"
-    return "reference"
+    has = key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"{NAMESPACE}::permute_multi_embedding", key
+    )
+    return "cpp" if has else "reference"
+
+
+# --- 5. typed wrappers -------------------------------------------------------------------------
 
 
 def permute_multi_embedding(
@@ -268,173 +312,10 @@ def permute_multi_embedding(
     out_shapes: torch.Tensor,
     out_lengths: List[int],
 ) -> List[torch.Tensor]:
-    """Copies column segments of ``pooled_embs`` into fresh outputs (see module docs)."""
+    """Copies the column segments that ``permutes`` names into fresh outputs."""
     return torch.ops.kt_regroup.permute_multi_embedding(
         pooled_embs, permutes, in_shapes, out_shapes, out_lengths
     )
-
-
-def kt_regroup_arguments(
-    embs: torch.Tensor,
-    keys: List[List[str]],
-    lengths: List[List[int]],
-    groups: List[List[str]],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
-    """``(permutes, in_shapes, out_shapes, out_lengths)`` for a layout, torchrec's format."""
-    return torch.ops.kt_regroup.kt_regroup_arguments(embs, keys, lengths, groups)
-
-
-def regroup_keyed_tensor(
-    pooled_embs: List[torch.Tensor],
-    keys: List[List[str]],
-    lengths: List[List[int]],
-    groups: List[List[str]],
-) -> List[torch.Tensor]:
-    """Regroups the column blocks of ``pooled_embs`` into one tensor per group.
-
-    Example::
-
-        >>> a, b = torch.randn(2, 5), torch.randn(2, 4)
-        >>> outs = regroup_keyed_tensor([a, b], [["x", "y"], ["z"]], [[2, 3], [4]],
-        ...                             [["z", "x"], ["y"]])
-        >>> [o.shape[1] for o in outs]
-        [6, 3]
-    """
-    return torch.ops.kt_regroup.regroup_keyed_tensor(pooled_embs, keys, lengths, groups)
-
-
-__all__ = [
-    "BACKEND_ENV",
-    "NATIVE_CPU",
-    "backend",
-    "get_plan",
-    "kt_regroup_arguments",
-    "permute_multi_embedding",
-    "regroup_keyed_tensor",
-    "requested_backend",
-]
-
-
-# --- fused cast and preallocated outputs (owner: native CPU kernel) -----------------------
-# Two ops the C++ CPU kernel serves natively (kt_regroup/csrc); the Python kernels below
-# are their portable fallback and test oracle.
-#
-# * permute_multi_embedding_to: the regroup with the outputs cast to ``dtype`` in the same
-#   pass (read fp32, write bf16), where casting every input first would read and write
-#   everything twice. ``dtype=None`` keeps the input dtype. Gradients come back in the
-#   input dtype.
-# * permute_multi_embedding_into: writes into caller-owned outputs (inference only, no
-#   autograd). ``outs[j]`` must be ``[batch, out_shapes[j]]`` with unit column stride, in
-#   the inputs' dtype, and must not overlap the inputs; its contents are overwritten
-#   (columns no row writes become zeros).
-
-_lib.define(
-    "permute_multi_embedding_to(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
-    "Tensor out_shapes, SymInt[] out_lengths, ScalarType? dtype=None) -> Tensor[]"
-)
-_lib.define(
-    "permute_multi_embedding_into(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
-    "Tensor out_shapes, Tensor(a!)[] outs) -> ()"
-)
-
-
-def _permute_multi_embedding_to_reference(
-    pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype=None
-):
-    from kt_regroup.kernels.validation import check_permute_rows
-
-    check_permute_rows(
-        "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths
-    )
-    outs = permute_multi_embedding_reference(
-        pooled_embs, permutes, in_shapes, out_shapes, out_lengths
-    )
-    return outs if dtype is None else [o.to(dtype) for o in outs]
-
-
-def _check_into_outs(pooled_embs, permutes, in_shapes, out_shapes, outs) -> List[int]:
-    from kt_regroup.kernels.validation import check_permute_rows
-
-    op = "permute_multi_embedding_into"
-    for j, o in enumerate(outs):
-        if o.dim() != 2:
-            raise ValueError(
-                f"kt_regroup.{op}: outs[{j}] must be 2-D [batch, width], got shape "
-                f"{tuple(o.shape)}"
-            )
-    out_lengths = [int(o.size(1)) for o in outs]
-    check_permute_rows(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths)
-    first = pooled_embs[0]
-    for j, o in enumerate(outs):
-        if o.size(0) != first.size(0):
-            raise ValueError(
-                f"kt_regroup.{op}: outs[{j}] must have shape ({first.size(0)}, "
-                f"{out_lengths[j]}), got shape {tuple(o.shape)}"
-            )
-        if o.dtype != first.dtype:
-            raise TypeError(
-                f"kt_regroup.{op}: outs[{j}] is {o.dtype} but pooled_embs[0] is {first.dtype}"
-            )
-        if o.device != first.device:
-            raise ValueError(
-                f"kt_regroup.{op}: outs[{j}] is on {o.device} but pooled_embs[0] is on "
-                f"{first.device}"
-            )
-        if o.size(1) > 1 and o.stride(1) != 1:
-            raise ValueError(
-                f"kt_regroup.{op}: outs[{j}] must have unit column stride, got strides "
-                f"({o.stride(0)}, {o.stride(1)})"
-            )
-    return out_lengths
-
-
-def _permute_multi_embedding_into_reference(pooled_embs, permutes, in_shapes, out_shapes, outs):
-    out_lengths = _check_into_outs(pooled_embs, permutes, in_shapes, out_shapes, outs)
-    results = permute_multi_embedding_reference(
-        pooled_embs, permutes, in_shapes, out_shapes, out_lengths
-    )
-    for o, r in zip(outs, results):
-        o.copy_(r)
-
-
-_lib.impl(
-    "permute_multi_embedding_to", _permute_multi_embedding_to_reference, "CompositeExplicitAutograd"
-)
-_lib.impl(
-    "permute_multi_embedding_into",
-    _permute_multi_embedding_into_reference,
-    "CompositeExplicitAutograd",
-)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_to", lib=_lib)
-def _permute_multi_embedding_to_fake(
-    pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype=None
-):
-    op = "permute_multi_embedding_to"
-    check_tensor_list(op, "pooled_embs", pooled_embs)
-    check_metadata(op, permutes, in_shapes, out_shapes, len(pooled_embs), out_lengths)
-    first = pooled_embs[0]
-    _check_not_meta_only(op, (permutes, in_shapes, out_shapes), "pooled_embs[0]", first)
-    return [first.new_empty(first.size(0), n, dtype=dtype or first.dtype) for n in out_lengths]
-
-
-@torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_into", lib=_lib)
-def _permute_multi_embedding_into_fake(pooled_embs, permutes, in_shapes, out_shapes, outs):
-    op = "permute_multi_embedding_into"
-    check_tensor_list(op, "pooled_embs", pooled_embs)
-    check_metadata(
-        op, permutes, in_shapes, out_shapes, len(pooled_embs), [o.size(-1) for o in outs]
-    )
-    _check_not_meta_only(op, (permutes, in_shapes, out_shapes), "pooled_embs[0]", pooled_embs[0])
-
-
-torch.library.register_autograd(
-    f"{NAMESPACE}::permute_multi_embedding_to",
-    _backward,
-    setup_context=_setup_context,
-    lib=_lib,
-)
 
 
 def permute_multi_embedding_to(
@@ -443,9 +324,10 @@ def permute_multi_embedding_to(
     in_shapes: torch.Tensor,
     out_shapes: torch.Tensor,
     out_lengths: List[int],
-    dtype: torch.dtype | None = None,
+    dtype: Optional[torch.dtype] = None,
 ) -> List[torch.Tensor]:
-    """:func:`permute_multi_embedding` with the outputs cast to ``dtype`` in the same pass.
+    """:func:`permute_multi_embedding` with the outputs cast to ``dtype`` in the same
+    pass; gradients come back in the inputs' dtype.
 
     Example::
 
@@ -466,14 +348,38 @@ def permute_multi_embedding_into(
     out_shapes: torch.Tensor,
     outs: List[torch.Tensor],
 ) -> None:
-    """Writes the regroup into caller-owned ``outs`` (inference; no autograd).
-
-    ``outs`` alias nothing the caller still reads: each is overwritten in full, and must
-    not overlap ``pooled_embs``.
-    """
+    """Writes the regroup into caller-owned ``outs`` (inference; no autograd). Each is
+    overwritten in full; they must not overlap the inputs or each other."""
     torch.ops.kt_regroup.permute_multi_embedding_into(
         pooled_embs, permutes, in_shapes, out_shapes, outs
     )
 
 
-__all__ += ["permute_multi_embedding_into", "permute_multi_embedding_to"]
+def kt_regroup_arguments(
+    embs: torch.Tensor,
+    keys: List[List[str]],
+    lengths: List[List[int]],
+    groups: List[List[str]],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
+    """``(permutes, in_shapes, out_shapes, out_lengths)`` of a layout, on ``embs``'s
+    device, in torchrec's format."""
+    return torch.ops.kt_regroup.kt_regroup_arguments(embs, keys, lengths, groups)
+
+
+def regroup_keyed_tensor(
+    pooled_embs: List[torch.Tensor],
+    keys: List[List[str]],
+    lengths: List[List[int]],
+    groups: List[List[str]],
+) -> List[torch.Tensor]:
+    """Regroups the column blocks of ``pooled_embs`` into one tensor per group.
+
+    Example::
+
+        >>> a, b = torch.randn(2, 5), torch.randn(2, 4)
+        >>> outs = regroup_keyed_tensor([a, b], [["x", "y"], ["z"]], [[2, 3], [4]],
+        ...                             [["z", "x"], ["y"]])
+        >>> [o.shape[1] for o in outs]
+        [6, 3]
+    """
+    return torch.ops.kt_regroup.regroup_keyed_tensor(pooled_embs, keys, lengths, groups)

@@ -1,87 +1,47 @@
 """The permute plan: where every output column block comes from.
 
-A *layout* is the list of keys and widths of each input tensor plus the groups the
-model wants. :class:`RegroupPlan` turns a layout into the metadata consumed by
-``torch.ops.kt_regroup.permute_multi_embedding``, once, and explains what is wrong
-with a layout that cannot be regrouped.
+A *layout* is the keys and widths of each input tensor plus the groups the model
+wants. :class:`RegroupPlan` turns a layout into the metadata of
+``torch.ops.kt_regroup.permute_multi_embedding`` once, and explains what is wrong with
+a layout that cannot be regrouped. :func:`get_plan` is the one plan cache.
 
-The permute rows use FBGEMM's / torchrec's format (int32, six columns)::
+Permute rows use torchrec's / FBGEMM's format (six int32 columns)::
 
     [in_tensor, out_tensor, in_offset, out_offset, length, next]
 
-``next`` is the duplicate-chain column FBGEMM's CUDA backward uses; kt_regroup's kernels
-ignore it but :func:`kt_regroup_arguments_rows` fills it exactly like torchrec's
-``_kt_regroup_arguments`` so the tensors are interchangeable with FBGEMM's.
+``next`` chains the rows of a duplicated key, as torchrec's ``_kt_regroup_arguments``
+does (FBGEMM's backward follows it): the first occurrence holds the index of the
+second, later occurrences hold minus the index of the next one, the last minus the
+row count; rows of keys used once hold 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+import threading
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = [
-    "RegroupPlan",
-    "PERMUTE_COLUMNS",
-    "kt_regroup_arguments_rows",
-    "coalesce_rows",
-]
+__all__ = ["MissingKeyError", "PERMUTE_COLUMNS", "RegroupPlan", "get_plan"]
 
-# [in_tensor, out_tensor, in_offset, out_offset, length, next]
 PERMUTE_COLUMNS = 6
 
+Row = Tuple[int, int, int, int, int, int]
+Layout = Tuple[Tuple[Tuple[str, ...], ...], Tuple[Tuple[int, ...], ...], Tuple[Tuple[str, ...], ...]]
 
-def _check_layout(
-    keys: Sequence[Sequence[str]],
-    lengths: Sequence[Sequence[int]],
-    groups: Sequence[Sequence[str]],
-) -> Dict[str, Tuple[int, int, int]]:
-    """Validates a layout; returns ``key -> (tensor, offset, width)``."""
-    if len(keys) == 0:
-        raise ValueError("kt_regroup: no input tensors given (keys is empty)")
-    if len(keys) != len(lengths):
-        raise ValueError(
-            f"kt_regroup: got keys for {len(keys)} tensors but lengths for {len(lengths)}"
-        )
-    where: Dict[str, Tuple[int, int, int]] = {}
-    for t, (tkeys, tlens) in enumerate(zip(keys, lengths)):
-        if len(tkeys) != len(tlens):
-            raise ValueError(
-                f"kt_regroup: input {t} has {len(tkeys)} keys but {len(tlens)} lengths"
-            )
-        offset = 0
-        for key, width in zip(tkeys, tlens):
-            if not isinstance(key, str):
-                raise TypeError(
-                    f"kt_regroup: key {key!r} of input {t} is a {type(key).__name__}, "
-                    "keys must be str"
-                )
-            width = int(width)
-            if width < 0:
-                raise ValueError(f"kt_regroup: key {key!r} of input {t} has negative width {width}")
-            if key in where:
-                other = where[key][0]
-                raise ValueError(
-                    f"kt_regroup: key {key!r} appears in input {other} and input {t}; "
-                    "a key must name exactly one column block (ambiguous)"
-                )
-            where[key] = (t, offset, width)
-            offset += width
-    for g, group in enumerate(groups):
-        for key in group:
-            if not isinstance(key, str):
-                raise TypeError(
-                    f"kt_regroup: group {g} names {key!r}, a {type(key).__name__}; keys must be str"
-                )
-            if key not in where:
-                raise KeyError(
-                    f"kt_regroup: group {g} asks for key {key!r}, which is in none of the "
-                    f"{len(keys)} inputs (looked in: "
-                    + "; ".join(f"input {t}: {_preview(k)}" for t, k in enumerate(keys))
-                    + ")"
-                )
-    return where
+
+class MissingKeyError(KeyError, IndexError):
+    """A group names a key no input has.
+
+    A ``KeyError`` (what torchrec's Python code raises) and an ``IndexError`` (what
+    FBGEMM's and kt_regroup's C++ ops raise), so either ``except`` catches it.
+    """
+
+    def __str__(self) -> str:  # the message as written, not KeyError's repr of it
+        return str(self.args[0])
 
 
 def _preview(keys: Sequence[str], limit: int = 8) -> str:
@@ -91,23 +51,80 @@ def _preview(keys: Sequence[str], limit: int = 8) -> str:
     return "[" + shown + "]"
 
 
-def kt_regroup_arguments_rows(
-    keys: Sequence[Sequence[str]],
-    lengths: Sequence[Sequence[int]],
-    groups: Sequence[Sequence[str]],
-) -> Tuple[List[List[int]], List[int], List[int]]:
-    """Permute rows (one per group entry, torchrec format), input widths, output widths."""
-    where = _check_layout(keys, lengths, groups)
+def _normalise(keys, lengths, groups) -> Layout:
+    """The layout as nested tuples (hashable), every error named."""
+    if len(keys) == 0:
+        raise ValueError("kt_regroup: no input tensors given (keys is empty)")
+    if len(keys) != len(lengths):
+        raise ValueError(
+            f"kt_regroup: got keys for {len(keys)} tensors but lengths for {len(lengths)}"
+        )
+    norm_lengths = []
+    for t, (tkeys, tlens) in enumerate(zip(keys, lengths)):
+        if len(tkeys) != len(tlens):
+            raise ValueError(f"kt_regroup: input {t} has {len(tkeys)} keys but {len(tlens)} lengths")
+        widths = []
+        for key, width in zip(tkeys, tlens):
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"kt_regroup: key {key!r} of input {t} is a {type(key).__name__}, keys must be str"
+                )
+            try:
+                if isinstance(width, bool):
+                    raise TypeError
+                width = operator.index(width)
+            except TypeError:
+                raise TypeError(
+                    f"kt_regroup: key {key!r} of input {t} has width {width!r}, a "
+                    f"{type(width).__name__}; widths must be int"
+                ) from None
+            if width < 0:
+                raise ValueError(f"kt_regroup: key {key!r} of input {t} has negative width {width}")
+            widths.append(width)
+        norm_lengths.append(tuple(widths))
+    for g, group in enumerate(groups):
+        for key in group:
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"kt_regroup: group {g} names {key!r}, a {type(key).__name__}; keys must be str"
+                )
+    return (
+        tuple(tuple(k) for k in keys),
+        tuple(norm_lengths),
+        tuple(tuple(g) for g in groups),
+    )
+
+
+def _rows(layout: Layout) -> Tuple[List[List[int]], List[int], List[int]]:
+    """torchrec's permute rows (one per group entry), input widths, output widths."""
+    keys, lengths, groups = layout
+    where: Dict[str, Tuple[int, int, int]] = {}
+    in_lengths = []
+    for t, (tkeys, tlens) in enumerate(zip(keys, lengths)):
+        offset = 0
+        for key, width in zip(tkeys, tlens):
+            if key in where:
+                raise ValueError(
+                    f"kt_regroup: key {key!r} appears in input {where[key][0]} and input {t}; "
+                    "a key must name exactly one column block (ambiguous)"
+                )
+            where[key] = (t, offset, width)
+            offset += width
+        in_lengths.append(offset)
     total = sum(len(g) for g in groups)
     rows: List[List[int]] = []
     out_lengths: List[int] = []
-    # Duplicate chains: the first occurrence of a key points (column 5) to its second,
-    # later occurrences carry -total (a chain stop) and the previous link is negated,
-    # the convention of torchrec's _kt_regroup_arguments.
     last_seen: Dict[str, int] = {}
     for out_t, group in enumerate(groups):
         out_off = 0
         for key in group:
+            if key not in where:
+                raise MissingKeyError(
+                    f"kt_regroup: group {out_t} asks for key {key!r}, which is in none of the "
+                    f"{len(keys)} inputs (looked in: "
+                    + "; ".join(f"input {t}: {_preview(k)}" for t, k in enumerate(keys))
+                    + ")"
+                )
             in_t, in_off, width = where[key]
             idx = len(rows)
             nxt = 0
@@ -124,52 +141,89 @@ def kt_regroup_arguments_rows(
             rows.append([in_t, out_t, in_off, out_off, width, nxt])
             out_off += width
         out_lengths.append(out_off)
-    in_lengths = [sum(int(w) for w in t) for t in lengths]
     return rows, in_lengths, out_lengths
 
 
-def coalesce_rows(rows: Sequence[Sequence[int]]) -> List[List[int]]:
-    """Merges adjacent rows that copy one contiguous run into one contiguous run.
+def _coalesce(rows: Sequence[Sequence[int]], chains: bool) -> List[List[int]]:
+    """Merges adjacent rows that continue each other in input and output.
 
-    Zero-width rows are dropped. The result describes the same copy with fewer,
-    larger segments; its ``next`` column is 0 (kt_regroup's kernels do not use it).
+    With ``chains``, rows of duplicated keys (``next != 0``) are kept as they are and
+    their ``next`` links renumbered, so the result is still a valid torchrec-format plan;
+    without, everything mergeable is merged and ``next`` is dropped (zero-width rows too).
     """
     out: List[List[int]] = []
-    for in_t, out_t, in_off, out_off, length, _ in rows:
-        if length == 0:
-            continue
-        if out:
+    new_index: List[int] = []
+    for in_t, out_t, in_off, out_off, length, nxt in rows:
+        chained = chains and nxt != 0
+        if not chained and out:
             p = out[-1]
             if (
-                p[0] == in_t
+                (not chains or p[5] == 0)
+                and p[0] == in_t
                 and p[1] == out_t
                 and p[2] + p[4] == in_off
                 and p[3] + p[4] == out_off
             ):
                 p[4] += length
+                new_index.append(len(out) - 1)
                 continue
-        out.append([in_t, out_t, in_off, out_off, length, 0])
+        if length == 0 and not chained:
+            new_index.append(-1)
+            continue
+        new_index.append(len(out))
+        out.append([in_t, out_t, in_off, out_off, length, nxt if chains else 0])
+    total = len(rows)
+    for row in out:
+        nxt = row[5]
+        if nxt > 0:
+            row[5] = new_index[nxt]
+        elif nxt == -total:
+            row[5] = -len(out)
+        elif nxt < 0:
+            row[5] = -new_index[-nxt]
     return out
+
+
+def _tensors_on(rows, in_lengths, out_lengths, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    permutes = torch.tensor(rows, dtype=torch.int32).reshape(-1, PERMUTE_COLUMNS)
+    in_shapes = torch.tensor(in_lengths, dtype=torch.int32)
+    out_shapes = torch.tensor(out_lengths, dtype=torch.int32)
+    if device is not None and torch.device(device).type != "cpu":
+        permutes, in_shapes, out_shapes = (t.to(device) for t in (permutes, in_shapes, out_shapes))
+    return permutes, in_shapes, out_shapes
+
+
+def _memoisable() -> bool:
+    # Under fake / proxy modes (compile, export) tensors are made afresh so the tracer
+    # owns them; real tensors are memoised.
+    return not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
 
 
 @dataclass(frozen=True)
 class RegroupPlan:
     """Permute metadata for one (keys, lengths, groups) layout, built once.
 
+    Immutable: the tensors it hands out are memoised per device and never modified.
+
     Example::
 
         >>> plan = RegroupPlan.build([["a", "b"], ["c"]], [[2, 3], [4]], [["c", "a"], ["b"]])
         >>> plan.out_lengths
-        [6, 3]
+        (6, 3)
+        >>> plan.tensors()[0].tolist()  # torchrec's format: one row per group entry
+        [[1, 0, 0, 0, 4, 0], [0, 0, 0, 4, 2, 0], [0, 1, 2, 0, 3, 0]]
     """
 
     keys: Tuple[Tuple[str, ...], ...]
     lengths: Tuple[Tuple[int, ...], ...]
     groups: Tuple[Tuple[str, ...], ...]
-    rows: Tuple[Tuple[int, ...], ...]  # torchrec format, one per group entry
-    coalesced_rows: Tuple[Tuple[int, ...], ...]
-    in_lengths: List[int]
-    out_lengths: List[int]
+    rows: Tuple[Row, ...]  # torchrec's format, one per group entry
+    coalesced_rows: Tuple[Row, ...]  # the same copy in fewer rows, chains kept
+    in_lengths: Tuple[int, ...]
+    out_lengths: Tuple[int, ...]
+    _tensors: Dict[Tuple[str, bool], Tuple[torch.Tensor, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @staticmethod
     def build(
@@ -177,66 +231,84 @@ class RegroupPlan:
         lengths: Sequence[Sequence[int]],
         groups: Sequence[Sequence[str]],
     ) -> "RegroupPlan":
-        rows, in_lengths, out_lengths = kt_regroup_arguments_rows(keys, lengths, groups)
+        """The plan of a layout; ``KeyError``/``ValueError``/``TypeError`` name what is wrong."""
+        layout = _normalise(keys, lengths, groups)
+        rows, in_lengths, out_lengths = _rows(layout)
         return RegroupPlan(
-            keys=tuple(tuple(k) for k in keys),
-            lengths=tuple(tuple(int(w) for w in t) for t in lengths),
-            groups=tuple(tuple(g) for g in groups),
+            keys=layout[0],
+            lengths=layout[1],
+            groups=layout[2],
             rows=tuple(tuple(r) for r in rows),
-            coalesced_rows=tuple(tuple(r) for r in coalesce_rows(rows)),
-            in_lengths=in_lengths,
-            out_lengths=out_lengths,
+            coalesced_rows=tuple(tuple(r) for r in _coalesce(rows, chains=True)),
+            in_lengths=tuple(in_lengths),
+            out_lengths=tuple(out_lengths),
         )
+
+    def tensors(
+        self, device: torch.device | str | None = None
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(permutes, in_shapes, out_shapes)``, int32, torchrec's format (what
+        ``kt_regroup_arguments`` returns; interchangeable with FBGEMM's)."""
+        return self._tensors_on(device, coalesced=False)
+
+    def coalesced_tensors(
+        self, device: torch.device | str | None = None
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like :meth:`tensors`, with adjacent rows of keys used once merged: fewer,
+        longer copies. Duplicate chains are kept, so FBGEMM's ops accept it too."""
+        return self._tensors_on(device, coalesced=True)
+
+    def _tensors_on(self, device, coalesced: bool):
+        rows = self.coalesced_rows if coalesced else self.rows
+        if not _memoisable():
+            return _tensors_on(rows, self.in_lengths, self.out_lengths, device)
+        key = (str(torch.device(device or "cpu")), coalesced)
+        hit = self._tensors.get(key)
+        if hit is None:
+            hit = self._tensors[key] = _tensors_on(rows, self.in_lengths, self.out_lengths, device)
+        return hit
 
     def view_specs(self) -> List[Optional[Tuple[int, int, int]]]:
         """Per output: ``(input, offset, width)`` when the whole output is one contiguous
         run of columns of one input (it could be returned as a view), else ``None``."""
-        rows_of: Dict[int, List[Tuple[int, ...]]] = {}
-        for row in self.coalesced_rows:
-            rows_of.setdefault(row[1], []).append(row)
-        specs: List[Optional[Tuple[int, int, int]]] = []
+        specs: List[Optional[Tuple[int, int, int]]] = [None] * len(self.out_lengths)
+        runs: Dict[int, List[List[int]]] = {}
+        for row in _coalesce(self.rows, chains=False):
+            runs.setdefault(row[1], []).append(row)
         for j, width in enumerate(self.out_lengths):
-            rows = rows_of.get(j, [])
+            rows = runs.get(j, [])
             if width > 0 and len(rows) == 1 and rows[0][3] == 0 and rows[0][4] == width:
-                specs.append((rows[0][0], rows[0][2], width))
-            else:
-                specs.append(None)
+                specs[j] = (rows[0][0], rows[0][2], width)
         return specs
 
     def restricted(self, outputs: Sequence[int]) -> "RegroupPlan":
-        """The plan of the given outputs only (renumbered in the order given).
+        """The plan of the given outputs only, in the order given."""
+        return get_plan(self.keys, self.lengths, [self.groups[j] for j in outputs])
 
-        Its ``next`` column is 0: duplicate chains do not survive the cut.
-        """
-        new_index = {j: k for k, j in enumerate(outputs)}
 
-        def keep(rows: Tuple[Tuple[int, ...], ...]) -> Tuple[Tuple[int, ...], ...]:
-            return tuple(
-                (r[0], new_index[r[1]], r[2], r[3], r[4], 0) for r in rows if r[1] in new_index
-            )
+# --- the plan cache ------------------------------------------------------------------------
 
-        rows = keep(self.rows)
-        coalesced = keep(self.coalesced_rows)
-        return RegroupPlan(
-            keys=self.keys,
-            lengths=self.lengths,
-            groups=tuple(self.groups[j] for j in outputs),
-            rows=rows,
-            coalesced_rows=coalesced,
-            in_lengths=list(self.in_lengths),
-            out_lengths=[self.out_lengths[j] for j in outputs],
-        )
+_plans: Dict[Layout, RegroupPlan] = {}
+_plans_lock = threading.Lock()
+MAX_PLANS = 128
 
-    def tensors(
-        self, device: torch.device | str | None = None, coalesced: bool = True
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(permutes, in_shapes, out_shapes)`` as int32 tensors on ``device``."""
-        rows = self.coalesced_rows if coalesced else self.rows
-        permutes = torch.tensor(list(rows), dtype=torch.int32).reshape(-1, PERMUTE_COLUMNS)
-        in_shapes = torch.tensor(self.in_lengths, dtype=torch.int32)
-        out_shapes = torch.tensor(self.out_lengths, dtype=torch.int32)
-        if device is not None and torch.device(device).type != "cpu":
-            permutes, in_shapes, out_shapes = (
-                t.to(device) for t in (permutes, in_shapes, out_shapes)
-            )
-        return permutes, in_shapes, out_shapes
+
+def get_plan(
+    keys: Sequence[Sequence[str]],
+    lengths: Sequence[Sequence[int]],
+    groups: Sequence[Sequence[str]],
+) -> RegroupPlan:
+    """The :class:`RegroupPlan` of a layout, from a bounded cache keyed by the layout.
+
+    Keyed by value, so an evicted plan can never be mistaken for another layout's; safe
+    to call from many threads (only a miss takes the lock).
+    """
+    layout = _normalise(keys, lengths, groups)
+    plan = _plans.get(layout)
+    if plan is None:
+        built = RegroupPlan.build(*layout)
+        with _plans_lock:
+            plan = _plans.setdefault(layout, built)
+            while len(_plans) > MAX_PLANS:
+                del _plans[next(iter(_plans))]
+    return plan

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Creates ./.venv with the pinned CPU stack, installs kt_regroup into it (editable) and
-# builds the native CPU kernel. Re-running is cheap: it skips the install while the
-# requirement files and pyproject.toml are unchanged.
+# Creates ./.venv with the pinned CPU stack and installs kt_regroup into it (editable),
+# which compiles the op library kt_regroup/_C.so. Re-running is cheap: it skips the
+# install while the requirement files, the build files and the C++ sources are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.kt_regroup_installed
-want=$(cat requirements/cpu.txt requirements/constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat requirements/cpu.txt requirements/constraints.txt pyproject.toml setup.py kt_regroup/csrc/* | sha256sum | cut -d' ' -f1)
 
 if [ ! -x .venv/bin/python ]; then
   echo "[kt_regroup] creating .venv"
@@ -20,10 +20,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q -c requirements/constraints.txt -r requirements/cpu.txt
   python -m pip install -q --no-deps torchrec==1.9.2
+  echo "[kt_regroup] building and installing kt_regroup (compiles kt_regroup/_C.so, 1-3 minutes)"
   python -m pip install -q -c requirements/constraints.txt --no-build-isolation --no-deps -e .
   echo "$want" >"$stamp"
 fi
-
-# Build (or reuse the cached build of) the native CPU kernel; the package works
-# without it (portable kernel, one warning), so a failed build is not fatal here.
-python -m kt_regroup.kernels.cpu || echo "[kt_regroup] native CPU kernel not built; using the portable kernel"

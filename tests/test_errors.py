@@ -2,6 +2,8 @@
 
 Each bad-permutes case runs through the dispatched op (whichever kernel serves CPU),
 the portable reference kernel, and, where the check needs no data, the fake kernel.
+The C++ and Python layers word their messages each their own way: the tests check the
+exception type and that the message names the culprit (the row, the value).
 """
 
 import pytest
@@ -43,24 +45,29 @@ MISSING = r"group 1 asks for key 'zz'.*none of the 2 inputs.*looked in: input 0:
 
 
 def test_missing_key_plan():
-    with pytest.raises(KeyError, match=MISSING):
+    with pytest.raises(KeyError, match=MISSING) as info:
         RegroupPlan.build([["a", "b"], ["c"]], [[1, 2], [3]], [["a"], ["c", "zz"]])
+    # Also an IndexError, what the C++ ops (and FBGEMM's) raise.
+    assert isinstance(info.value, IndexError)
+    assert isinstance(info.value, kt_regroup.MissingKeyError)
 
 
 def test_missing_key_every_surface():
+    # Python-built plans raise MissingKeyError (a KeyError and an IndexError); the ops
+    # raise IndexError from C++ or MissingKeyError without the library: IndexError always.
     kts = [_kt(["a", "b"], [1, 2]), _kt(["c"], [3])]
     groups = [["a"], ["c", "zz"]]
     with pytest.raises(KeyError, match=MISSING):
-        kt_regroup.regroup(kts, groups)
-    with pytest.raises(KeyError, match=MISSING):
-        kt_regroup.regroup_as_dict(kts, groups, ["x", "y"])
-    with pytest.raises(KeyError, match=MISSING):
         kt_regroup.KTRegroupAsDict(groups, ["x", "y"])(kts)
-    with pytest.raises(KeyError, match=MISSING):
+    with pytest.raises(IndexError, match=MISSING):
+        kt_regroup.regroup(kts, groups)
+    with pytest.raises(IndexError, match=MISSING):
+        kt_regroup.regroup_as_dict(kts, groups, ["x", "y"])
+    with pytest.raises(IndexError, match=MISSING):
         kt_regroup.regroup_keyed_tensor(
             [kt.values() for kt in kts], [["a", "b"], ["c"]], [[1, 2], [3]], groups
         )
-    with pytest.raises(KeyError, match=MISSING):
+    with pytest.raises(IndexError, match=MISSING):
         kt_regroup.kt_regroup_arguments(torch.empty(0), [["a", "b"], ["c"]], [[1, 2], [3]], groups)
 
 
@@ -73,7 +80,7 @@ def test_missing_key_preview_is_bounded_for_many_keys():
 
 def test_missing_key_in_key_dim_fallback():
     kt = KeyedTensor(keys=["a"], length_per_key=[2], values=torch.randn(2, 3), key_dim=0)
-    with pytest.raises(KeyError, match=r"asks for key 'b'"):
+    with pytest.raises(IndexError, match=r"asks for key 'b'"):
         kt_regroup.regroup([kt], [["b"]])
 
 
@@ -136,7 +143,7 @@ def test_different_batch_sizes():
 def test_different_dtypes():
     kts = [_kt(["a"], [2]), _kt(["b"], [3], dtype=torch.float64)]
     with pytest.raises(
-        TypeError, match=r"pooled_embs\[1\] is torch.float64 but pooled_embs\[0\] is torch.float32"
+        TypeError, match=r"pooled_embs\[1\] is (torch.float64|Double) but pooled_embs\[0\] is"
     ):
         kt_regroup.regroup(kts, [["a", "b"]])
 
@@ -160,9 +167,9 @@ def test_metadata_on_meta_with_real_inputs_is_refused():
     a = torch.randn(2, 3)
     p = torch.tensor([[0, 0, 0, 0, 3, 0]], dtype=I32)
     i, o = _meta([3], [3])
-    with pytest.raises(ValueError, match=r"permutes is on meta but pooled_embs\[0\] is on cpu"):
+    with pytest.raises(ValueError, match=r"permutes is on meta but the data is on cpu"):
         torch.ops.kt_regroup.permute_multi_embedding([a], p.to("meta"), i, o, [3])
-    with pytest.raises(ValueError, match=r"permutes is on meta but grad_outputs\[0\] is on cpu"):
+    with pytest.raises(ValueError, match=r"permutes is on meta but the data is on cpu"):
         torch.ops.kt_regroup.permute_multi_embedding_backward(
             [a], p.to("meta"), i, o, [3], 2, a.dtype
         )
@@ -192,74 +199,41 @@ def test_module_groups_keys_mismatch():
 # --- bad permutes ---------------------------------------------------------------------
 
 # Two inputs of widths 4 and 3, one output of width 5; a valid row is [0, 0, 0, 0, 4, 0].
+# Each case: the bad row, the exception, what the message must name.
 BAD_ROWS = [
-    pytest.param(
-        [2, 0, 0, 0, 1, 0],
-        r"permutes\[1\] in_tensor=2 is out of range \[0, 2\)",
-        id="in_tensor-high",
-    ),
-    pytest.param(
-        [-1, 0, 0, 0, 1, 0], r"permutes\[1\] in_tensor=-1 is out of range", id="in_tensor-negative"
-    ),
-    pytest.param(
-        [1, 1, 0, 0, 1, 0],
-        r"permutes\[1\] out_tensor=1 is out of range \[0, 1\)",
-        id="out_tensor-high",
-    ),
-    pytest.param(
-        [1, -3, 0, 0, 1, 0],
-        r"permutes\[1\] out_tensor=-3 is out of range",
-        id="out_tensor-negative",
-    ),
-    pytest.param(
-        [1, 0, 0, 4, -1, 0], r"permutes\[1\] has negative length -1", id="negative-length"
-    ),
-    pytest.param(
-        [1, 0, 2, 4, 2, 0],
-        r"permutes\[1\] reads columns \[2, 4\) of input 1, which has 3 columns",
-        id="read-past-width",
-    ),
-    pytest.param(
-        [1, 0, -1, 4, 1, 0],
-        r"permutes\[1\] reads columns \[-1, 0\) of input 1",
-        id="read-negative-offset",
-    ),
-    pytest.param(
-        [1, 0, 0, 4, 2, 0],
-        r"permutes\[1\] writes columns \[4, 6\) of output 0, which has 5 columns",
-        id="write-past-width",
-    ),
-    pytest.param(
-        [1, 0, 0, -1, 1, 0],
-        r"permutes\[1\] writes columns \[-1, 0\) of output 0",
-        id="write-negative-offset",
-    ),
-    pytest.param(
-        [1, 0, 0, 4, 2**30, 0], r"permutes\[1\] reads columns \[0, 1073741824\)", id="huge-length"
-    ),
+    pytest.param([2, 0, 0, 0, 1, 0], IndexError, r"permutes\[1\] in_tensor=2 .*\[0, 2\)", id="in_tensor-high"),
+    pytest.param([-1, 0, 0, 0, 1, 0], IndexError, r"permutes\[1\] in_tensor=-1 ", id="in_tensor-negative"),
+    pytest.param([1, 1, 0, 0, 1, 0], IndexError, r"permutes\[1\] out_tensor=1 .*\[0, 1\)", id="out_tensor-high"),
+    pytest.param([1, -3, 0, 0, 1, 0], IndexError, r"permutes\[1\] out_tensor=-3 ", id="out_tensor-negative"),
+    pytest.param([1, 0, 0, 4, -1, 0], ValueError, r"permutes\[1\] .*negative length -1", id="negative-length"),
+    pytest.param([1, 0, 2, 4, 2, 0], IndexError, r"permutes\[1\] reads columns \[2, 4\) of input 1, .*3 columns", id="read-past-width"),
+    pytest.param([1, 0, -1, 4, 1, 0], IndexError, r"permutes\[1\] reads columns \[-1, 0\) of input 1", id="read-negative-offset"),
+    pytest.param([1, 0, 0, 4, 2, 0], IndexError, r"permutes\[1\] writes columns \[4, 6\) of output 0, .*5 columns", id="write-past-width"),
+    pytest.param([1, 0, 0, -1, 1, 0], IndexError, r"permutes\[1\] writes columns \[-1, 0\) of output 0", id="write-negative-offset"),
+    pytest.param([1, 0, 0, 4, 2**30, 0], IndexError, r"permutes\[1\] reads columns \[0, 1073741824\)", id="huge-length"),
 ]
 
 
 @pytest.mark.parametrize("kernel", _kernels())
-@pytest.mark.parametrize("row,match", BAD_ROWS)
-def test_bad_permute_row(kernel, row, match):
+@pytest.mark.parametrize("row,error,match", BAD_ROWS)
+def test_bad_permute_row(kernel, row, error, match):
     a, b = torch.randn(3, 4), torch.randn(3, 3)
     before = (a.clone(), b.clone())
     permutes = torch.tensor([[0, 0, 0, 0, 4, 0], row], dtype=I32)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         kernel([a, b], permutes, *_meta([4, 3], [5]), [5])
     assert torch.equal(a, before[0]) and torch.equal(b, before[1])
 
 
-@pytest.mark.parametrize("row,match", BAD_ROWS)
-def test_bad_permute_row_backward(row, match):
+@pytest.mark.parametrize("row,error,match", BAD_ROWS)
+def test_bad_permute_row_backward(row, error, match):
     g = torch.randn(3, 5)
     permutes = torch.tensor([[0, 0, 0, 0, 4, 0], row], dtype=I32)
     for kernel in (
         torch.ops.kt_regroup.permute_multi_embedding_backward,
         permute_multi_embedding_backward_reference,
     ):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(error, match=match):
             kernel([g], permutes, *_meta([4, 3], [5]), [4, 3], 3, torch.float32)
 
 
@@ -267,7 +241,7 @@ def test_bad_permute_row_backward(row, match):
 def test_in_shapes_mismatch(kernel):
     a, b = torch.randn(3, 4), torch.randn(3, 3)
     p = torch.tensor([[0, 0, 0, 0, 4, 0]], dtype=I32)
-    with pytest.raises(ValueError, match=r"in_shapes\[1\]=5 but pooled_embs\[1\] has 3 columns"):
+    with pytest.raises(ValueError, match=r"in_shapes\[1\]=5 but pooled_embs.*3"):
         kernel([a, b], p, *_meta([4, 5], [4]), [4])
     with pytest.raises(
         ValueError, match=r"in_shapes must have one entry per input tensor \(2\), got shape \(3,\)"
@@ -281,9 +255,7 @@ def test_out_shapes_mismatch(kernel):
     p = torch.tensor([[0, 0, 0, 0, 4, 0]], dtype=I32)
     with pytest.raises(ValueError, match=r"out_shapes\[0\]=5 but out_lengths\[0\]=4"):
         kernel([a], p, *_meta([4], [5]), [4])
-    with pytest.raises(
-        ValueError, match=r"out_shapes must have one entry per output \(1 out_lengths\)"
-    ):
+    with pytest.raises(ValueError, match=r"out_shapes must have one entry per output \(1\)"):
         kernel([a], p, *_meta([4], [4, 4]), [4])
     with pytest.raises(ValueError, match=r"out_lengths\[0\] is negative \(-1\)"):
         kernel([a], p[:0], *_meta([4], [-1]), [-1])
@@ -297,9 +269,9 @@ def test_wrong_permutes_shape_or_dtype(kernel):
         kernel([a], torch.zeros(1, 5, dtype=I32), i, o, [4])
     with pytest.raises(ValueError, match=r"permutes must have shape \[n, 6\].*got \(6,\)"):
         kernel([a], torch.zeros(6, dtype=I32), i, o, [4])
-    with pytest.raises(TypeError, match=r"permutes must be int32 or int64, got torch.float32"):
+    with pytest.raises(TypeError, match=r"permutes must be int32 or int64, got (torch.float32|Float)"):
         kernel([a], torch.zeros(1, 6), i, o, [4])
-    with pytest.raises(TypeError, match=r"in_shapes must be int32 or int64, got torch.float32"):
+    with pytest.raises(TypeError, match=r"in_shapes must be int32 or int64, got (torch.float32|Float)"):
         kernel([a], torch.zeros(1, 6, dtype=I32), i.float(), o, [4])
 
 

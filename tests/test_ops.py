@@ -49,7 +49,7 @@ def _args(kind, values, layout):
             values[0], layout.keys, layout.lengths, layout.groups
         )
     plan = RegroupPlan.build(*layout)
-    return (*plan.tensors(values[0].device), plan.out_lengths)
+    return (*plan.coalesced_tensors(values[0].device), plan.out_lengths)
 
 
 # --- forward parity ---------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""The permute plan: torchrec's argument format, exactly, and coalescing that changes nothing."""
+"""The permute plan: torchrec's argument format, exactly, coalescing that changes nothing,
+and the one plan cache, which must never hand out another layout's plan."""
+
+import itertools
 
 import pytest
 import torch
@@ -9,13 +12,15 @@ from conftest import (
     assert_same_list,
     expected_regroup,
     make_values,
+    needs_fbgemm,
     random_layout,
 )
 from torchrec.sparse.jagged_tensor import _kt_regroup_arguments
 
 import kt_regroup
+from kt_regroup import plan as plan_module
 from kt_regroup.kernels.reference import permute_multi_embedding_reference
-from kt_regroup.plan import PERMUTE_COLUMNS, RegroupPlan, coalesce_rows
+from kt_regroup.plan import PERMUTE_COLUMNS, RegroupPlan
 
 LAYOUTS = (
     [SMALL_LAYOUT]
@@ -45,6 +50,18 @@ def test_kt_regroup_arguments_equals_torchrec(layout):
     assert ours[0].shape == (sum(len(g) for g in layout.groups), PERMUTE_COLUMNS)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{len(lay.keys)}in-{len(lay.groups)}out")
+def test_plan_tensors_equal_the_op_and_torchrec(layout):
+    # RegroupPlan (Python) and the kt_regroup_arguments op (C++ where the library is
+    # loaded) are two builders of one format: torchrec's.
+    embs = torch.empty(0)
+    plan = RegroupPlan.build(*layout)
+    theirs = _kt_regroup_arguments(embs, layout.keys, layout.lengths, layout.groups)
+    for a, b in zip(plan.tensors(), theirs[:3]):
+        assert torch.equal(a, b)
+    assert list(plan.out_lengths) == theirs[3]
+
+
 def test_kt_regroup_arguments_op_and_python_function_agree():
     embs = torch.empty(3, 4)
     L = SMALL_LAYOUT
@@ -67,34 +84,78 @@ def test_small_layout_rows_by_hand():
         [0, 1, 0, 130, 3],  # a again
         [1, 2, 0, 0, 1],  # c a third time
     ]
-    assert plan.in_lengths == [10, 131]
-    assert plan.out_lengths == [5, 133, 1]
+    assert plan.in_lengths == (10, 131)
+    assert plan.out_lengths == (5, 133, 1)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[:6], ids=str)
 def test_coalesced_plan_computes_the_same(layout):
     plan = RegroupPlan.build(*layout)
     values = make_values(layout, batch=3)
-    full = permute_multi_embedding_reference(
-        values, *plan.tensors(coalesced=False), plan.out_lengths
-    )
+    full = permute_multi_embedding_reference(values, *plan.tensors(), plan.out_lengths)
     merged = permute_multi_embedding_reference(
-        values, *plan.tensors(coalesced=True), plan.out_lengths
+        values, *plan.coalesced_tensors(), plan.out_lengths
     )
     assert_same_list(full, expected_regroup(values, layout))
     assert_same_list(merged, full)
     assert len(plan.coalesced_rows) <= len(plan.rows)
 
 
-def test_coalesce_merges_adjacent_runs_and_drops_empty_rows():
-    rows = [
+def test_coalesce_merges_adjacent_runs_of_single_use_keys_only():
+    # a|b|c contiguous in input 0 and in group 0; 'b' is also used by group 1, so its
+    # row keeps its duplicate chain and is not merged; 'z' has width 0.
+    plan = RegroupPlan.build(
+        [["a", "b", "c", "z"], ["d"]], [[2, 3, 1, 0], [4]], [["a", "b", "c", "z", "d"], ["b"]]
+    )
+    assert [list(r) for r in plan.rows] == [
         [0, 0, 0, 0, 2, 0],
-        [0, 0, 2, 2, 3, 0],  # continues the previous run in input and output
-        [0, 0, 9, 5, 0, 0],  # zero width: dropped
-        [1, 0, 0, 5, 4, 0],  # other input: new run
-        [1, 1, 4, 0, 1, 0],  # other output: new run
+        [0, 0, 2, 2, 3, 5],  # b -> its second use, row 5
+        [0, 0, 5, 5, 1, 0],
+        [0, 0, 6, 6, 0, 0],
+        [1, 0, 0, 6, 4, 0],
+        [0, 1, 2, 0, 3, -6],  # last use of b: minus the row count
     ]
-    assert coalesce_rows(rows) == [[0, 0, 0, 0, 5, 0], [1, 0, 0, 5, 4, 0], [1, 1, 4, 0, 1, 0]]
+    assert [list(r) for r in plan.coalesced_rows] == [
+        [0, 0, 0, 0, 2, 0],
+        [0, 0, 2, 2, 3, 4],  # chain renumbered
+        [0, 0, 5, 5, 1, 0],  # z (empty) merged into c
+        [1, 0, 0, 6, 4, 0],
+        [0, 1, 2, 0, 3, -5],
+    ]
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("form", ["tensors", "coalesced_tensors"])
+def test_plan_tensors_give_fbgemm_the_right_gradient_for_duplicates(form):
+    # FBGEMM's backward follows the `next` chain: with a chain lost in coalescing, the
+    # gradient of a duplicated key came out 1.0 instead of 2.0.
+    layout = Layout([["a", "b"]], [[2, 3]], [["a", "b"], ["a"]])
+    x = torch.ones(4, 5, requires_grad=True)
+    plan = RegroupPlan.build(*layout)
+    outs = torch.ops.fbgemm.permute_multi_embedding([x], *getattr(plan, form)(), plan.out_lengths)
+    sum(o.sum() for o in outs).backward()
+    assert torch.equal(x.grad, torch.tensor([[2.0, 2.0, 1.0, 1.0, 1.0]] * 4))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{len(lay.keys)}in-{len(lay.groups)}out")
+def test_coalesced_chains_are_valid_torchrec_chains(layout):
+    # Follow every chain of the coalesced rows: it must visit exactly the rows that copy
+    # the same input block, first to last, and end with minus the row count.
+    rows = RegroupPlan.build(*layout).coalesced_rows
+    visited = set()
+    for i, row in enumerate(rows):
+        if row[5] <= 0 or i in visited:
+            continue
+        chain, j = [i], row[5]
+        while True:
+            chain.append(j)
+            assert rows[j][5] < 0, (chain, rows)
+            if rows[j][5] == -len(rows):
+                break
+            j = -rows[j][5]
+        assert len({(rows[k][0], rows[k][2], rows[k][4]) for k in chain}) == 1, chain
+        visited.update(chain)
+    assert all(r[5] <= 0 or i in visited for i, r in enumerate(rows))
 
 
 def test_coalesced_keys_contiguous_in_input_and_output_become_one_row():
@@ -118,8 +179,8 @@ def test_plan_tensors_dtype_and_shape():
     permutes, in_shapes, out_shapes = plan.tensors("cpu")
     assert permutes.dtype == in_shapes.dtype == out_shapes.dtype == torch.int32
     assert permutes.shape[1] == PERMUTE_COLUMNS
-    assert in_shapes.tolist() == plan.in_lengths
-    assert out_shapes.tolist() == plan.out_lengths
+    assert in_shapes.tolist() == list(plan.in_lengths)
+    assert out_shapes.tolist() == list(plan.out_lengths)
 
 
 def test_plan_with_no_rows():
@@ -139,6 +200,50 @@ def test_view_specs_and_restricted_plan():
     )
     assert plan.view_specs() == [(0, 0, 5), (1, 4, 7), None, None, (1, 0, 4)]
     sub = plan.restricted([2, 3])
-    assert sub.out_lengths == [8, 0]
-    assert [list(r) for r in sub.coalesced_rows] == [[1, 0, 5, 0, 6, 0], [0, 0, 0, 6, 2, 0]]
+    assert sub.out_lengths == (8, 0)
     assert [list(r) for r in sub.rows] == [[1, 0, 5, 0, 6, 0], [0, 0, 0, 6, 2, 0]]
+    assert sub == RegroupPlan.build(plan.keys, plan.lengths, [["e", "a"], []])
+
+
+# --- the plan cache ---------------------------------------------------------------------------
+
+
+def _one_group_of(keys):
+    return [list(keys)], [[1] * len(keys)]
+
+
+def test_plan_cache_never_returns_another_layouts_plan(monkeypatch):
+    # The id-reuse repro: 120 orderings of five width-1 keys, three rounds, through a
+    # cache far smaller than the number of layouts, so plans are evicted and freed all
+    # the time. A cache keyed by id() returned evicted plans' permutes for new layouts.
+    monkeypatch.setattr(plan_module, "MAX_PLANS", 8)
+    x = torch.arange(5.0).reshape(1, 5)
+    keys = ["a", "b", "c", "d", "e"]
+    for _ in range(3):
+        for order in itertools.permutations(keys):
+            out = kt_regroup.regroup_keyed_tensor([x], [keys], [[1] * 5], [list(order)])
+            expected = torch.tensor([[float(keys.index(k)) for k in order]])
+            assert torch.equal(out[0], expected), order
+    assert len(plan_module._plans) <= 8
+
+
+def test_200_distinct_layouts_every_surface(monkeypatch):
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    monkeypatch.setattr(plan_module, "MAX_PLANS", 16)
+    module = kt_regroup.KTRegroupAsDict([["k1", "k0"], ["k2"]], ["x", "y"])
+    for i in range(200):
+        widths = [1 + (i + j) % 5 for j in range(3)] + [1 + i % 7]
+        keys = [f"k{(j + i) % 4}" for j in range(4)]  # rotated key order
+        x = torch.randn(3, sum(widths))
+        layout = Layout([keys], [widths], [["k1", "k0"], ["k2"]])
+        expected = expected_regroup([x], layout)
+        kt = KeyedTensor(keys=keys, length_per_key=widths, values=x)
+        assert_same_list(kt_regroup.regroup_keyed_tensor([x], *layout), expected)
+        assert_same_list(kt_regroup.regroup([kt], layout.groups), expected)
+        assert_same_list(list(module([kt]).values()), expected)
+        plan = kt_regroup.get_plan(*layout)
+        assert_same_list(
+            torch.ops.kt_regroup.permute_multi_embedding([x], *plan.coalesced_tensors(), plan.out_lengths),
+            expected,
+        )

@@ -1,228 +1,30 @@
-// CPU kernels of torch.ops.kt_regroup.permute_multi_embedding{,_backward}.
+// Native CPU kernels of torch.ops.kt_regroup.permute_multi_embedding{,_to,_into,_backward}.
 //
 // Forward is a row-major byte copy: for each batch row (rows split across threads),
-// copy every coalesced segment with memcpy, so each output row is written
-// sequentially. Backward makes one pass per input-gradient row: the first
-// contribution to a column block is copied, later ones (duplicated keys) are added,
-// and only the columns no key covers are zeroed.
-//
-// Validation mirrors kernels/validation.py word for word (ValueError / TypeError in
-// Python) and runs before any data is touched, so no input the op accepts can make
-// the kernel read or write out of bounds.
+// copy every coalesced segment, so each output row is written sequentially. Backward
+// makes one pass per input-gradient row: the first contribution to a column block is
+// copied, later ones (duplicated keys) are added, and only the columns no key covers
+// are zeroed. Arguments are checked (ops.cpp) before any data is touched.
 
-#include "permute_multi_embedding.h"
+#include "kt_regroup.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
-#include <torch/headeronly/version.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstring>
-#include <sstream>
-#include <utility>
 
 namespace kt_regroup {
+namespace {
 
-constexpr int64_t kPermuteColumns = 6;
 // Rows are handed to threads in chunks of at least this many bytes, so serving-size
 // batches run inline on the calling thread: waking idle OpenMP workers costs up to
 // ~0.6 ms here, far more than copying a few hundred KiB (~20-50 us).
 constexpr int64_t kGrainBytes = 1024 * 1024;
 // Above this many bytes copied per call, segments are reordered to read inputs in order.
 constexpr int64_t kReorderBytes = 1024 * 1024;
-
-std::string py_dtype(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kByte: return "torch.uint8";
-    case at::kChar: return "torch.int8";
-    case at::kShort: return "torch.int16";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kBool: return "torch.bool";
-    case at::kComplexFloat: return "torch.complex64";
-    case at::kComplexDouble: return "torch.complex128";
-    case at::kComplexHalf: return "torch.complex32";
-    default: {
-      std::string name = c10::toString(t);
-      std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) {
-        return static_cast<char>(std::tolower(c));
-      });
-      return "torch." + name;
-    }
-  }
-}
-
-std::string py_shape(c10::IntArrayRef shape) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s << ", ";
-    s << shape[i];
-  }
-  if (shape.size() == 1) s << ",";
-  s << ")";
-  return s.str();
-}
-
-namespace {
-
-// a + b as Python would print it (b >= 0; no int64 overflow in the message).
-std::string py_sum(int64_t a, int64_t b) {
-  if (a < 0) return std::to_string(a + b);
-  return std::to_string(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
-}
-
-// Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None.
-using TensorPtrs = std::vector<const at::Tensor*>;
-
-void check_tensor_list(const char* op, const char* name, const TensorPtrs& tensors) {
-  int64_t i0 = -1;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i] != nullptr) {
-      i0 = static_cast<int64_t>(i);
-      break;
-    }
-  }
-  TORCH_CHECK_VALUE(i0 >= 0, "kt_regroup.", op, ": ", name, " is empty");
-  const at::Tensor& first = *tensors[i0];
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i] == nullptr) continue;
-    const at::Tensor& t = *tensors[i];
-    TORCH_CHECK_VALUE(
-        t.dim() == 2, "kt_regroup.", op, ": ", name, "[", i,
-        "] must be 2-D [batch, width], got shape ", py_shape(t.sizes()));
-    TORCH_CHECK_VALUE(
-        t.device() == first.device(), "kt_regroup.", op, ": ", name, "[", i, "] is on ",
-        t.device().str(), " but ", name, "[", i0, "] is on ", first.device().str(),
-        "; all must be on one device");
-    TORCH_CHECK_TYPE(
-        t.scalar_type() == first.scalar_type(), "kt_regroup.", op, ": ", name, "[", i,
-        "] is ", py_dtype(t.scalar_type()), " but ", name, "[", i0, "] is ",
-        py_dtype(first.scalar_type()), "; all must have one dtype");
-    TORCH_CHECK_VALUE(
-        t.size(0) == first.size(0), "kt_regroup.", op, ": ", name, "[", i,
-        "] has batch size ", t.size(0), " but ", name, "[", i0, "] has ", first.size(0),
-        "; all must have the same batch size");
-  }
-}
-
-void check_metadata(
-    const char* op,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    int64_t n_in,
-    c10::IntArrayRef out_lengths) {
-  TORCH_CHECK_VALUE(
-      permutes.dim() == 2 && permutes.size(1) == kPermuteColumns, "kt_regroup.", op,
-      ": permutes must have shape [n, ", kPermuteColumns,
-      "] (in_tensor, out_tensor, in_offset, out_offset, length, next), got ",
-      py_shape(permutes.sizes()));
-  const std::pair<const char*, const at::Tensor*> named[] = {
-      {"permutes", &permutes}, {"in_shapes", &in_shapes}, {"out_shapes", &out_shapes}};
-  for (const auto& [name, t] : named) {
-    TORCH_CHECK_TYPE(
-        t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "kt_regroup.", op,
-        ": ", name, " must be int32 or int64, got ", py_dtype(t->scalar_type()));
-    // The CPU kernel reads the metadata on the host.
-    TORCH_CHECK_VALUE(
-        t->device().is_cpu(), "kt_regroup.", op, ": ", name,
-        " must be on the CPU for the CPU kernel, got ", t->device().str());
-  }
-  TORCH_CHECK_VALUE(
-      in_shapes.dim() == 1 && in_shapes.numel() == n_in, "kt_regroup.", op,
-      ": in_shapes must have one entry per input tensor (", n_in, "), got shape ",
-      py_shape(in_shapes.sizes()));
-  TORCH_CHECK_VALUE(
-      out_shapes.dim() == 1 && out_shapes.numel() == static_cast<int64_t>(out_lengths.size()),
-      "kt_regroup.", op, ": out_shapes must have one entry per output (", out_lengths.size(),
-      " out_lengths), got shape ", py_shape(out_shapes.sizes()));
-  for (size_t j = 0; j < out_lengths.size(); ++j) {
-    TORCH_CHECK_VALUE(
-        out_lengths[j] >= 0, "kt_regroup.", op, ": out_lengths[", j, "] is negative (",
-        out_lengths[j], ")");
-  }
-}
-
-// Reads an int32/int64 metadata tensor of any strides as int64.
-template <typename index_t>
-std::vector<int64_t> read_1d(const at::Tensor& t) {
-  const index_t* p = t.const_data_ptr<index_t>();
-  const int64_t n = t.numel(), s = n ? t.stride(0) : 1;
-  std::vector<int64_t> v(n);
-  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<int64_t>(p[i * s]);
-  return v;
-}
-
-std::vector<int64_t> read_1d(const at::Tensor& t) {
-  return t.scalar_type() == at::kInt ? read_1d<int32_t>(t) : read_1d<int64_t>(t);
-}
-
-// check_rows of validation.py, fused with the coalescing of plan.coalesce_rows.
-template <typename index_t>
-std::vector<Segment> check_rows_typed(
-    const char* op,
-    const at::Tensor& permutes,
-    const std::vector<int64_t>& in_widths,
-    const std::vector<int64_t>& out_widths) {
-  const index_t* p = permutes.const_data_ptr<index_t>();
-  const int64_t n = permutes.size(0);
-  const int64_t s0 = permutes.stride(0), s1 = permutes.stride(1);
-  const int64_t n_in = static_cast<int64_t>(in_widths.size());
-  const int64_t n_out = static_cast<int64_t>(out_widths.size());
-  std::vector<Segment> segments;
-  segments.reserve(n);
-  for (int64_t r = 0; r < n; ++r) {
-    const index_t* row = p + r * s0;
-    const int64_t in_t = row[0], out_t = row[s1], in_off = row[2 * s1],
-                  out_off = row[3 * s1], length = row[4 * s1];
-    TORCH_CHECK_VALUE(
-        in_t >= 0 && in_t < n_in, "kt_regroup.", op, ": permutes[", r,
-        "] in_tensor=", in_t, " is out of range [0, ", n_in, ")");
-    TORCH_CHECK_VALUE(
-        out_t >= 0 && out_t < n_out, "kt_regroup.", op, ": permutes[", r,
-        "] out_tensor=", out_t, " is out of range [0, ", n_out, ")");
-    TORCH_CHECK_VALUE(
-        length >= 0, "kt_regroup.", op, ": permutes[", r, "] has negative length ", length);
-    // Written as differences so that no int64 sum can overflow.
-    TORCH_CHECK_VALUE(
-        in_off >= 0 && length <= in_widths[in_t] - in_off, "kt_regroup.", op, ": permutes[",
-        r, "] reads columns [", in_off, ", ", py_sum(in_off, length), ") of input ", in_t,
-        ", which has ", in_widths[in_t], " columns");
-    TORCH_CHECK_VALUE(
-        out_off >= 0 && length <= out_widths[out_t] - out_off, "kt_regroup.", op,
-        ": permutes[", r, "] writes columns [", out_off, ", ", py_sum(out_off, length),
-        ") of output ", out_t, ", which has ", out_widths[out_t], " columns");
-    if (length == 0) continue;
-    if (!segments.empty()) {
-      Segment& last = segments.back();
-      if (last.in_t == in_t && last.out_t == out_t && last.in_off + last.length == in_off &&
-          last.out_off + last.length == out_off) {
-        last.length += length;
-        continue;
-      }
-    }
-    segments.push_back(Segment{in_t, out_t, in_off, out_off, length});
-  }
-  return segments;
-}
-
-std::vector<Segment> check_rows(
-    const char* op,
-    const at::Tensor& permutes,
-    const std::vector<int64_t>& in_widths,
-    const std::vector<int64_t>& out_widths) {
-  return permutes.scalar_type() == at::kInt
-      ? check_rows_typed<int32_t>(op, permutes, in_widths, out_widths)
-      : check_rows_typed<int64_t>(op, permutes, in_widths, out_widths);
-}
 
 // A tensor whose rows can be read with memcpy: unit column stride, no lazy conj/neg.
 at::Tensor rows_readable(const at::Tensor& t) {
@@ -248,51 +50,7 @@ int64_t grain_rows(int64_t bytes_per_row) {
   return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, bytes_per_row));
 }
 
-}  // namespace
 
-std::vector<Segment> check_forward(
-    const char* op,
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths) {
-  TensorPtrs ptrs;
-  ptrs.reserve(pooled_embs.size());
-  for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
-  check_tensor_list(op, "pooled_embs", ptrs);
-  const int64_t n_in = static_cast<int64_t>(pooled_embs.size());
-  check_metadata(op, permutes, in_shapes, out_shapes, n_in, out_lengths);
-  std::vector<int64_t> in_widths(n_in);
-  const std::vector<int64_t> in_declared = read_1d(in_shapes);
-  for (int64_t i = 0; i < n_in; ++i) {
-    in_widths[i] = pooled_embs[i].size(1);
-    TORCH_CHECK_VALUE(
-        in_widths[i] == in_declared[i], "kt_regroup.", op, ": in_shapes[", i, "]=",
-        in_declared[i], " but pooled_embs[", i, "] has ", in_widths[i], " columns");
-  }
-  const std::vector<int64_t> out_declared = read_1d(out_shapes);
-  std::vector<int64_t> out_widths(out_lengths.begin(), out_lengths.end());
-  for (size_t j = 0; j < out_widths.size(); ++j) {
-    TORCH_CHECK_VALUE(
-        out_widths[j] == out_declared[j], "kt_regroup.", op, ": out_shapes[", j, "]=",
-        out_declared[j], " but out_lengths[", j, "]=", out_widths[j]);
-  }
-  return check_rows(op, permutes, in_widths, out_widths);
-}
-
-bool segments_tile_outputs(const std::vector<Segment>& segments, c10::IntArrayRef out_lengths) {
-  // Cheap sufficient test: per output, segments arrive in increasing, gap-free order.
-  std::vector<int64_t> next(out_lengths.size(), 0);
-  for (const Segment& s : segments) {
-    if (s.out_off != next[s.out_t]) return false;
-    next[s.out_t] += s.length;
-  }
-  for (size_t j = 0; j < out_lengths.size(); ++j) {
-    if (next[j] != out_lengths[j]) return false;
-  }
-  return true;
-}
 
 bool writes_disjoint(const std::vector<Segment>& segments) {
   std::vector<const Segment*> order;
@@ -412,7 +170,6 @@ void permute_forward_into(
   });
 }
 
-namespace {
 
 std::vector<at::Tensor> permute_multi_embedding_cpu(
     at::TensorList pooled_embs,
@@ -487,65 +244,16 @@ void permute_multi_embedding_into_cpu(
     const at::Tensor& out_shapes,
     at::TensorList outs) {
   const char* op = "permute_multi_embedding_into";
-  std::vector<int64_t> out_lengths;
-  out_lengths.reserve(outs.size());
-  for (size_t j = 0; j < outs.size(); ++j) {
-    TORCH_CHECK_VALUE(
-        outs[j].dim() == 2, "kt_regroup.", op, ": outs[", j,
-        "] must be 2-D [batch, width], got shape ", py_shape(outs[j].sizes()));
-    out_lengths.push_back(outs[j].size(1));
-  }
+  const std::vector<int64_t> widths = check_into_outputs(op, pooled_embs, outs);
   const std::vector<Segment> segments =
-      check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
-  const at::Tensor& first = pooled_embs[0];
-  for (size_t j = 0; j < outs.size(); ++j) {
-    const at::Tensor& t = outs[j];
-    TORCH_CHECK_VALUE(
-        t.size(0) == first.size(0), "kt_regroup.", op, ": outs[", j,
-        "] must have shape (", first.size(0), ", ", out_lengths[j], "), got shape ",
-        py_shape(t.sizes()));
-    TORCH_CHECK_TYPE(
-        t.scalar_type() == first.scalar_type(), "kt_regroup.", op, ": outs[", j, "] is ",
-        py_dtype(t.scalar_type()), " but pooled_embs[0] is ", py_dtype(first.scalar_type()));
-    TORCH_CHECK_VALUE(
-        t.device() == first.device(), "kt_regroup.", op, ": outs[", j, "] is on ",
-        t.device().str(), " but pooled_embs[0] is on ", first.device().str());
-    TORCH_CHECK_VALUE(
-        t.size(1) <= 1 || t.stride(1) == 1, "kt_regroup.", op, ": outs[", j,
-        "] must have unit column stride, got strides (", t.stride(0), ", ", t.stride(1), ")");
-  }
-  if (!segments_tile_outputs(segments, out_lengths)) {
-    for (const at::Tensor& t : outs) const_cast<at::Tensor&>(t).zero_();
+      check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, widths);
+  if (!segments_tile_outputs(segments, widths)) {
+    for (const at::Tensor& t : outs) t.zero_();
   }
   permute_forward_into(pooled_embs, segments, outs);
 }
 
 // ---- backward -------------------------------------------------------------------------
-
-// The portable algorithm (zeros, then += per segment in order, half types accumulated
-// in float32): for gradient dtypes the fast path does not cover.
-std::vector<at::Tensor> backward_generic(
-    const TensorPtrs& grads,
-    const std::vector<Segment>& segments,
-    c10::IntArrayRef in_lengths,
-    int64_t batch_size,
-    c10::ScalarType dtype,
-    c10::Device device) {
-  const bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
-  const auto options = at::TensorOptions().dtype(reduced ? at::kFloat : dtype).device(device);
-  std::vector<at::Tensor> out;
-  out.reserve(in_lengths.size());
-  for (int64_t n : in_lengths) out.push_back(at::zeros({batch_size, n}, options));
-  for (const Segment& s : segments) {
-    const at::Tensor* g = grads[s.out_t];
-    if (g == nullptr) continue;
-    out[s.in_t].narrow(1, s.in_off, s.length).add_(g->narrow(1, s.out_off, s.length));
-  }
-  if (reduced) {
-    for (at::Tensor& t : out) t = t.to(dtype);
-  }
-  return out;
-}
 
 // One column block of an input-gradient row and where its values come from.
 struct GradBlock {
@@ -621,38 +329,13 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
     c10::IntArrayRef in_lengths,
     int64_t batch_size,
     c10::ScalarType dtype) {
-  const char* op = "permute_multi_embedding_backward";
-  // Keep the optionals alive while we hold raw pointers into them.
-  std::vector<std::optional<at::Tensor>> held(grad_outputs.begin(), grad_outputs.end());
-  TensorPtrs grads(held.size(), nullptr);
-  bool any_defined = false;
-  for (size_t j = 0; j < held.size(); ++j) {
-    if (held[j].has_value() && held[j]->defined()) {
-      grads[j] = &*held[j];
-      any_defined = true;
-    }
-  }
-  if (any_defined) check_tensor_list(op, "grad_outputs", grads);
+  std::vector<std::optional<at::Tensor>> held;
+  const TensorPtrs grads = grad_pointers(grad_outputs, held);
+  std::vector<Segment> segments = check_backward(
+      "permute_multi_embedding_backward", grads, permutes, in_shapes, out_shapes, in_lengths,
+      batch_size);
   const int64_t n_in = static_cast<int64_t>(in_lengths.size());
-  const std::vector<int64_t> zeros(grads.size(), 0);
-  check_metadata(op, permutes, in_shapes, out_shapes, n_in, zeros);
-  const std::vector<int64_t> out_widths = read_1d(out_shapes);
-  for (size_t j = 0; j < grads.size(); ++j) {
-    if (grads[j] == nullptr) continue;
-    const at::Tensor& g = *grads[j];
-    TORCH_CHECK_VALUE(
-        g.size(0) == batch_size && g.size(1) == out_widths[j], "kt_regroup.", op,
-        ": grad_outputs[", j, "] has shape ", py_shape(g.sizes()), ", expected (",
-        batch_size, ", ", out_widths[j], ")");
-  }
-  const std::vector<int64_t> in_declared = read_1d(in_shapes);
-  std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
-  for (int64_t i = 0; i < n_in; ++i) {
-    TORCH_CHECK_VALUE(
-        in_widths[i] == in_declared[i], "kt_regroup.", op, ": in_shapes[", i, "]=",
-        in_declared[i], " but in_lengths[", i, "]=", in_widths[i]);
-  }
-  std::vector<Segment> segments = check_rows(op, permutes, in_widths, out_widths);
+  const std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
 
   c10::Device device = permutes.device();
   for (const at::Tensor* g : grads) {
@@ -666,7 +349,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   for (const at::Tensor* g : grads) {
     if (g && g->scalar_type() != dtype) fast = false;
   }
-  if (!fast) return backward_generic(grads, segments, in_lengths, batch_size, dtype, device);
+  if (!fast) return backward_by_segments(grads, segments, in_lengths, batch_size, dtype, device);
 
   const auto options = at::TensorOptions().dtype(dtype).device(device);
   std::vector<at::Tensor> out;
@@ -752,13 +435,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
 }
 
 }  // namespace
-
 }  // namespace kt_regroup
-
-// The torch version this extension was compiled against (read by kernels/cpu.py).
-extern "C" const char* kt_regroup_built_with_torch() {
-  return TORCH_VERSION;
-}
 
 TORCH_LIBRARY_IMPL(kt_regroup, CPU, m) {
   m.impl("permute_multi_embedding", TORCH_FN(kt_regroup::permute_multi_embedding_cpu));

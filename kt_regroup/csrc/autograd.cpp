@@ -1,0 +1,262 @@
+// Autograd kernels: the only autograd of the ops when this library is loaded.
+//
+// The regroup is linear, so each direction is the other's gradient:
+//   permute_multi_embedding{,_to}   --backward-->  permute_multi_embedding_backward
+//   permute_multi_embedding_backward --backward--> permute_multi_embedding_to
+// Every step calls an op through the dispatcher, so torch.compile / AOTAutograd /
+// export trace it, and sizes are SymInts (sym_size), so the kernels also run on fake
+// tensors with a symbolic batch. The metadata tensors are index tensors that nothing
+// modifies in place: they are kept in saved_data rather than save_for_backward, so plans
+// made under torch.inference_mode() work with autograd too.
+
+#include "kt_regroup.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace kt_regroup {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptionalTensors = c10::List<std::optional<at::Tensor>>;
+
+std::vector<at::Tensor> call_forward(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef out_lengths) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding", "")
+                       .typed<std::vector<at::Tensor>(
+                           at::TensorList, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, c10::SymIntArrayRef)>();
+  return op.call(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+}
+
+std::vector<at::Tensor> call_forward_to(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef out_lengths,
+    std::optional<c10::ScalarType> dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_to", "")
+                       .typed<std::vector<at::Tensor>(
+                           at::TensorList, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, c10::SymIntArrayRef,
+                           std::optional<c10::ScalarType>)>();
+  return op.call(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype);
+}
+
+std::vector<at::Tensor> call_backward(
+    const OptionalTensors& grad_outputs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef in_lengths,
+    c10::SymInt batch_size,
+    c10::ScalarType dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_backward", "")
+                       .typed<std::vector<at::Tensor>(
+                           const OptionalTensors&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, c10::SymIntArrayRef, c10::SymInt,
+                           c10::ScalarType)>();
+  return op.call(
+      grad_outputs, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
+}
+
+// Autograd's undefined gradients are the op's None.
+OptionalTensors optionals(at::TensorList tensors) {
+  OptionalTensors out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    out.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
+  }
+  return out;
+}
+
+void save_metadata(
+    AutogradContext* ctx,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes) {
+  ctx->saved_data["permutes"] = permutes;
+  ctx->saved_data["in_shapes"] = in_shapes;
+  ctx->saved_data["out_shapes"] = out_shapes;
+}
+
+// Gradients of the non-tensor arguments and metadata: none.
+variable_list with_no_grads_for_rest(variable_list grads, size_t n_rest) {
+  grads.resize(grads.size() + n_rest);
+  return grads;
+}
+
+// permute_multi_embedding and permute_multi_embedding_to (`cast`: the latter).
+class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
+ public:
+  static variable_list forward(
+      AutogradContext* ctx,
+      at::TensorList pooled_embs,
+      const at::Tensor& permutes,
+      const at::Tensor& in_shapes,
+      const at::Tensor& out_shapes,
+      c10::SymIntArrayRef out_lengths,
+      std::optional<c10::ScalarType> dtype,
+      bool cast) {
+    if (!pooled_embs.empty()) {  // else the kernel below reports the empty list
+      std::vector<c10::SymInt> in_lengths;
+      for (const at::Tensor& t : pooled_embs) {
+        in_lengths.push_back(t.dim() == 2 ? t.sym_size(1) : c10::SymInt(0));
+      }
+      const at::Tensor& first = pooled_embs[0];
+      ctx->saved_data["in_lengths"] = c10::IValue(c10::SymIntArrayRef(in_lengths));
+      ctx->saved_data["batch_size"] = first.dim() > 0 ? first.sym_size(0) : c10::SymInt(0);
+      ctx->saved_data["dtype"] = first.scalar_type();
+      save_metadata(ctx, permutes, in_shapes, out_shapes);
+    }
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return cast ? call_forward_to(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype)
+                : call_forward(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto& saved = ctx->saved_data;
+    variable_list grads = call_backward(
+        optionals(grad_outputs), saved.at("permutes").toTensor(),
+        saved.at("in_shapes").toTensor(), saved.at("out_shapes").toTensor(),
+        saved.at("in_lengths").toSymIntVector(), saved.at("batch_size").toSymInt(),
+        saved.at("dtype").toScalarType());
+    // permutes, in_shapes, out_shapes, out_lengths, dtype, cast
+    return with_no_grads_for_rest(std::move(grads), 6);
+  }
+};
+
+// permute_multi_embedding_backward: its gradient is the forward permute of the incoming
+// gradients, cast back to the dtype the output gradients had. A C++ Function takes no
+// undefined tensors: it gets the defined output gradients and their positions.
+class PermuteBackwardFunction : public torch::autograd::Function<PermuteBackwardFunction> {
+ public:
+  static variable_list forward(
+      AutogradContext* ctx,
+      at::TensorList defined_grads,
+      const std::vector<int64_t>& positions,  // of defined_grads among the n_out outputs
+      int64_t n_out,
+      const at::Tensor& permutes,
+      const at::Tensor& in_shapes,
+      const at::Tensor& out_shapes,
+      c10::SymIntArrayRef in_lengths,
+      c10::SymInt batch_size,
+      c10::ScalarType dtype) {
+    OptionalTensors grads;
+    std::vector<c10::SymInt> widths(n_out, c10::SymInt(-1));  // -1: None
+    for (int64_t j = 0; j < n_out; ++j) grads.push_back(std::nullopt);
+    for (size_t k = 0; k < positions.size(); ++k) {
+      grads.set(positions[k], defined_grads[k]);
+      if (defined_grads[k].dim() == 2) widths[positions[k]] = defined_grads[k].sym_size(1);
+    }
+    ctx->saved_data["out_lengths"] = c10::IValue(c10::SymIntArrayRef(widths));
+    ctx->saved_data["positions"] = positions;
+    ctx->saved_data["grad_dtype"] =
+        defined_grads.empty() ? dtype : defined_grads[0].scalar_type();
+    ctx->saved_data["batch_size"] = batch_size;
+    ctx->saved_data["in_lengths"] = c10::IValue(in_lengths);
+    save_metadata(ctx, permutes, in_shapes, out_shapes);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_backward(
+        grads, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_grads) {
+    const auto& saved = ctx->saved_data;
+    const at::Tensor out_shapes = saved.at("out_shapes").toTensor();
+    std::vector<c10::SymInt> out_lengths = saved.at("out_lengths").toSymIntVector();
+    std::vector<int64_t> declared;
+    for (size_t j = 0; j < out_lengths.size(); ++j) {
+      if (out_lengths[j].maybe_as_int() == -1) {  // a None gradient: its width is in out_shapes
+        if (declared.empty()) {
+          const at::Tensor host = out_shapes.to(at::kCPU, at::kLong).contiguous();
+          declared.assign(
+              host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + host.numel());
+        }
+        out_lengths[j] = declared[j];
+      }
+    }
+    const std::vector<c10::SymInt> in_lengths = saved.at("in_lengths").toSymIntVector();
+    const c10::SymInt batch = saved.at("batch_size").toSymInt();
+    at::TensorOptions options;  // of a defined one: autograd calls this only if there is one
+    for (const at::Tensor& g : grad_grads) {
+      if (g.defined()) options = g.options();
+    }
+    std::vector<at::Tensor> inputs;
+    for (size_t i = 0; i < grad_grads.size(); ++i) {
+      const at::Tensor& g = grad_grads[i];
+      inputs.push_back(g.defined() ? g : at::zeros_symint({batch, in_lengths[i]}, options));
+    }
+    const variable_list all = call_forward_to(
+        inputs, saved.at("permutes").toTensor(), saved.at("in_shapes").toTensor(), out_shapes,
+        out_lengths, saved.at("grad_dtype").toScalarType());
+    variable_list grads;
+    for (const c10::IValue& j : saved.at("positions").toListRef()) grads.push_back(all[j.toInt()]);
+    // positions, n_out, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype
+    return with_no_grads_for_rest(std::move(grads), 8);
+  }
+};
+
+std::vector<at::Tensor> permute_multi_embedding_autograd(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef out_lengths) {
+  return PermuteFunction::apply(
+      pooled_embs, permutes, in_shapes, out_shapes, out_lengths, std::nullopt, false);
+}
+
+std::vector<at::Tensor> permute_multi_embedding_to_autograd(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef out_lengths,
+    std::optional<c10::ScalarType> dtype) {
+  return PermuteFunction::apply(
+      pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, true);
+}
+
+std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
+    const OptionalTensors& grad_outputs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef in_lengths,
+    c10::SymInt batch_size,
+    c10::ScalarType dtype) {
+  std::vector<at::Tensor> defined;
+  std::vector<int64_t> positions;
+  for (size_t j = 0; j < grad_outputs.size(); ++j) {
+    const std::optional<at::Tensor> g = grad_outputs[j];
+    if (g.has_value() && g->defined()) {
+      defined.push_back(*g);
+      positions.push_back(static_cast<int64_t>(j));
+    }
+  }
+  return PermuteBackwardFunction::apply(
+      at::TensorList(defined), positions, static_cast<int64_t>(grad_outputs.size()), permutes,
+      in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
+}
+
+}  // namespace
+}  // namespace kt_regroup
+
+TORCH_LIBRARY_IMPL(kt_regroup, Autograd, m) {
+  m.impl("permute_multi_embedding", TORCH_FN(kt_regroup::permute_multi_embedding_autograd));
+  m.impl("permute_multi_embedding_to", TORCH_FN(kt_regroup::permute_multi_embedding_to_autograd));
+  m.impl(
+      "permute_multi_embedding_backward",
+      TORCH_FN(kt_regroup::permute_multi_embedding_backward_autograd));
+}

@@ -1,0 +1,83 @@
+// Declarations shared by kt_regroup's C++ files.
+//
+// ops.cpp      schemas (TORCH_LIBRARY), the plan ops kt_regroup_arguments and
+//              regroup_keyed_tensor, argument checks, build info
+// portable.cpp kernels made of ATen copies, for every device (CompositeExplicitAutograd)
+// cpu.cpp      the native CPU kernels
+// autograd.cpp the autograd kernels (the only autograd when this library is loaded)
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <optional>
+#include <vector>
+
+namespace kt_regroup {
+
+// [in_tensor, out_tensor, in_offset, out_offset, length, next]
+constexpr int64_t kPermuteColumns = 6;
+
+// One copy: out[out_t][:, out_off:out_off+length] = in[in_t][:, in_off:in_off+length].
+struct Segment {
+  int64_t in_t;
+  int64_t out_t;
+  int64_t in_off;
+  int64_t out_off;
+  int64_t length;
+};
+
+// Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None.
+using TensorPtrs = std::vector<const at::Tensor*>;
+
+// Checks a forward call (inputs, metadata, widths, every permute row) and returns its
+// rows as segments, adjacent contiguous rows merged and empty rows dropped. Nothing is
+// read or written by a kernel before this returns.
+std::vector<Segment> check_forward(
+    const char* op,
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths);
+
+// The same for a backward call; `grads` may hold nullptr (None: zeros).
+std::vector<Segment> check_backward(
+    const char* op,
+    const TensorPtrs& grads,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size);
+
+// The caller-owned outputs of permute_multi_embedding_into: 2-D, batch, dtype, device,
+// unit column stride, and no overlap with the inputs or with each other. Returns their
+// widths (the op's out_lengths).
+std::vector<int64_t> check_into_outputs(
+    const char* op,
+    at::TensorList pooled_embs,
+    at::TensorList outs);
+
+// Whether the segments write every column of every output exactly once, in order
+// (then outputs need no zero fill).
+bool segments_tile_outputs(const std::vector<Segment>& segments, c10::IntArrayRef out_lengths);
+
+// The backward by ATen ops: zeros, then += per segment in row order; float16/bfloat16
+// accumulate in float32 and round once. The portable kernel, and the CPU kernel's path
+// for gradient dtypes its fast path does not cover.
+std::vector<at::Tensor> backward_by_segments(
+    const TensorPtrs& grads,
+    const std::vector<Segment>& segments,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size,
+    c10::ScalarType dtype,
+    c10::Device device);
+
+// `grad_outputs` of the backward op as pointers (nullptr for None / undefined); `held`
+// keeps the tensors alive.
+TensorPtrs grad_pointers(
+    const c10::List<std::optional<at::Tensor>>& grad_outputs,
+    std::vector<std::optional<at::Tensor>>& held);
+
+}  // namespace kt_regroup

@@ -1,0 +1,502 @@
+// The kt_regroup op library: every schema, the plan ops, and the argument checks that
+// every kernel runs before it touches data.
+//
+// Schemas are FBGEMM's where FBGEMM has the op, so each op is a drop-in replacement
+// for its torch.ops.fbgemm namesake. They live here, in C++, so that a TorchScript or
+// AOTInductor model runs where only this library is loaded (a C++ predictor); Python
+// adds the fake kernels (kt_regroup/ops.py, named by set_python_module).
+
+#include "kt_regroup.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <torch/headeronly/version.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <unordered_map>
+
+namespace kt_regroup {
+namespace {
+
+// ---- argument checks ---------------------------------------------------------------------
+
+std::string shape_str(c10::IntArrayRef shape) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << (shape.size() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+void check_tensor_list(const char* op, const char* name, const TensorPtrs& tensors) {
+  const auto first_it = std::find_if(
+      tensors.begin(), tensors.end(), [](const at::Tensor* t) { return t != nullptr; });
+  TORCH_CHECK_VALUE(first_it != tensors.end(), "kt_regroup.", op, ": ", name, " is empty");
+  const size_t i0 = first_it - tensors.begin();
+  const at::Tensor& first = **first_it;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i] == nullptr) continue;
+    const at::Tensor& t = *tensors[i];
+    TORCH_CHECK_VALUE(
+        t.dim() == 2, "kt_regroup.", op, ": ", name, "[", i,
+        "] must be 2-D [batch, width], got shape ", shape_str(t.sizes()));
+    TORCH_CHECK_VALUE(
+        t.device() == first.device(), "kt_regroup.", op, ": ", name, "[", i, "] is on ",
+        t.device(), " but ", name, "[", i0, "] is on ", first.device(),
+        "; all must be on one device");
+    TORCH_CHECK_TYPE(
+        t.scalar_type() == first.scalar_type(), "kt_regroup.", op, ": ", name, "[", i,
+        "] is ", t.scalar_type(), " but ", name, "[", i0, "] is ", first.scalar_type(),
+        "; all must have one dtype");
+    TORCH_CHECK_VALUE(
+        t.size(0) == first.size(0), "kt_regroup.", op, ": ", name, "[", i,
+        "] has batch size ", t.size(0), " but ", name, "[", i0, "] has ", first.size(0),
+        "; all must have the same batch size");
+  }
+}
+
+// Shapes and dtypes of the metadata; `data` is the device the kernel computes on.
+void check_metadata(
+    const char* op,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    size_t n_in,
+    size_t n_out,
+    std::optional<c10::Device> data) {
+  TORCH_CHECK_VALUE(
+      permutes.dim() == 2 && permutes.size(1) == kPermuteColumns, "kt_regroup.", op,
+      ": permutes must have shape [n, ", kPermuteColumns,
+      "] (in_tensor, out_tensor, in_offset, out_offset, length, next), got ",
+      shape_str(permutes.sizes()));
+  const std::pair<const char*, const at::Tensor*> named[] = {
+      {"permutes", &permutes}, {"in_shapes", &in_shapes}, {"out_shapes", &out_shapes}};
+  for (const auto& [name, t] : named) {
+    TORCH_CHECK_TYPE(
+        t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "kt_regroup.", op,
+        ": ", name, " must be int32 or int64, got ", t->scalar_type());
+    // Metadata on meta next to real data has no values to check or read.
+    TORCH_CHECK_VALUE(
+        !t->is_meta() || !data.has_value() || data->is_meta(), "kt_regroup.", op, ": ", name,
+        " is on meta but the data is on ", *data, "; metadata and data must be on real devices");
+  }
+  TORCH_CHECK_VALUE(
+      in_shapes.dim() == 1 && in_shapes.numel() == static_cast<int64_t>(n_in), "kt_regroup.",
+      op, ": in_shapes must have one entry per input tensor (", n_in, "), got shape ",
+      shape_str(in_shapes.sizes()));
+  TORCH_CHECK_VALUE(
+      out_shapes.dim() == 1 && out_shapes.numel() == static_cast<int64_t>(n_out), "kt_regroup.",
+      op, ": out_shapes must have one entry per output (", n_out, "), got shape ",
+      shape_str(out_shapes.sizes()));
+}
+
+// An int32/int64 metadata tensor of any device and strides, read as int64 on the host.
+std::vector<int64_t> read_values(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* p = c.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
+
+void check_declared(
+    const char* op,
+    const char* tensor_name,
+    const std::vector<int64_t>& declared,
+    const char* actual_name,
+    const std::vector<int64_t>& actual) {
+  for (size_t i = 0; i < actual.size(); ++i) {
+    TORCH_CHECK_VALUE(
+        actual[i] >= 0, "kt_regroup.", op, ": ", actual_name, "[", i, "] is negative (",
+        actual[i], ")");
+    TORCH_CHECK_VALUE(
+        declared[i] == actual[i], "kt_regroup.", op, ": ", tensor_name, "[", i, "]=",
+        declared[i], " but ", actual_name, "[", i, "]=", actual[i]);
+  }
+}
+
+// offset + length as a reader expects it, for any int64 offset and length >= 0.
+std::string end_of(int64_t offset, int64_t length) {
+  if (offset < 0) return std::to_string(offset + length);
+  return std::to_string(static_cast<uint64_t>(offset) + static_cast<uint64_t>(length));
+}
+
+// Every row inside its input and output; rows merged where they continue each other.
+std::vector<Segment> check_rows(
+    const char* op,
+    const at::Tensor& permutes,
+    const std::vector<int64_t>& in_widths,
+    const std::vector<int64_t>& out_widths) {
+  const std::vector<int64_t> flat = read_values(permutes);
+  const int64_t n_in = static_cast<int64_t>(in_widths.size());
+  const int64_t n_out = static_cast<int64_t>(out_widths.size());
+  std::vector<Segment> segments;
+  segments.reserve(flat.size() / kPermuteColumns);
+  for (size_t r = 0; r < flat.size() / kPermuteColumns; ++r) {
+    const int64_t* row = flat.data() + r * kPermuteColumns;
+    const int64_t in_t = row[0], out_t = row[1], in_off = row[2], out_off = row[3],
+                  length = row[4];
+    TORCH_CHECK_INDEX(
+        in_t >= 0 && in_t < n_in, "kt_regroup.", op, ": permutes[", r, "] in_tensor=", in_t,
+        " is out of range [0, ", n_in, ")");
+    TORCH_CHECK_INDEX(
+        out_t >= 0 && out_t < n_out, "kt_regroup.", op, ": permutes[", r, "] out_tensor=",
+        out_t, " is out of range [0, ", n_out, ")");
+    TORCH_CHECK_VALUE(
+        length >= 0, "kt_regroup.", op, ": permutes[", r, "] has negative length ", length);
+    // Differences, not sums: no int64 overflow for any value.
+    TORCH_CHECK_INDEX(
+        in_off >= 0 && length <= in_widths[in_t] - in_off, "kt_regroup.", op, ": permutes[",
+        r, "] reads columns [", in_off, ", ", end_of(in_off, length), ") of input ", in_t,
+        ", which has ", in_widths[in_t], " columns");
+    TORCH_CHECK_INDEX(
+        out_off >= 0 && length <= out_widths[out_t] - out_off, "kt_regroup.", op,
+        ": permutes[", r, "] writes columns [", out_off, ", ", end_of(out_off, length),
+        ") of output ", out_t, ", which has ", out_widths[out_t], " columns");
+    if (length == 0) continue;
+    if (!segments.empty()) {
+      Segment& last = segments.back();
+      if (last.in_t == in_t && last.out_t == out_t && last.in_off + last.length == in_off &&
+          last.out_off + last.length == out_off) {
+        last.length += length;
+        continue;
+      }
+    }
+    segments.push_back(Segment{in_t, out_t, in_off, out_off, length});
+  }
+  return segments;
+}
+
+}  // namespace
+
+std::vector<Segment> check_forward(
+    const char* op,
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths) {
+  TensorPtrs ptrs;
+  for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
+  check_tensor_list(op, "pooled_embs", ptrs);
+  check_metadata(
+      op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size(),
+      pooled_embs[0].device());
+  std::vector<int64_t> in_widths;
+  for (const at::Tensor& t : pooled_embs) in_widths.push_back(t.size(1));
+  const std::vector<int64_t> out_widths(out_lengths.begin(), out_lengths.end());
+  check_declared(op, "out_shapes", read_values(out_shapes), "out_lengths", out_widths);
+  const std::vector<int64_t> in_declared = read_values(in_shapes);
+  for (size_t i = 0; i < in_widths.size(); ++i) {
+    TORCH_CHECK_VALUE(
+        in_declared[i] == in_widths[i], "kt_regroup.", op, ": in_shapes[", i, "]=",
+        in_declared[i], " but pooled_embs[", i, "] has ", in_widths[i], " columns");
+  }
+  return check_rows(op, permutes, in_widths, out_widths);
+}
+
+std::vector<Segment> check_backward(
+    const char* op,
+    const TensorPtrs& grads,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size) {
+  std::optional<c10::Device> device;
+  if (std::any_of(grads.begin(), grads.end(), [](const at::Tensor* g) { return g; })) {
+    check_tensor_list(op, "grad_outputs", grads);
+    for (const at::Tensor* g : grads) {
+      if (g) device = g->device();
+    }
+  }
+  TORCH_CHECK_VALUE(
+      batch_size >= 0, "kt_regroup.", op, ": batch_size is negative (", batch_size, ")");
+  check_metadata(op, permutes, in_shapes, out_shapes, in_lengths.size(), grads.size(), device);
+  const std::vector<int64_t> out_widths = read_values(out_shapes);
+  for (size_t j = 0; j < grads.size(); ++j) {
+    TORCH_CHECK_VALUE(
+        out_widths[j] >= 0, "kt_regroup.", op, ": out_shapes[", j, "] is negative (",
+        out_widths[j], ")");
+    if (grads[j] == nullptr) continue;
+    TORCH_CHECK_VALUE(
+        grads[j]->size(0) == batch_size && grads[j]->size(1) == out_widths[j], "kt_regroup.",
+        op, ": grad_outputs[", j, "] has shape ", shape_str(grads[j]->sizes()),
+        ", expected (", batch_size, ", ", out_widths[j], ")");
+  }
+  const std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
+  check_declared(op, "in_shapes", read_values(in_shapes), "in_lengths", in_widths);
+  return check_rows(op, permutes, in_widths, out_widths);
+}
+
+std::vector<int64_t> check_into_outputs(
+    const char* op,
+    at::TensorList pooled_embs,
+    at::TensorList outs) {
+  TORCH_CHECK_VALUE(!pooled_embs.empty(), "kt_regroup.", op, ": pooled_embs is empty");
+  const at::Tensor& first = pooled_embs[0];
+  std::vector<int64_t> widths;
+  for (size_t j = 0; j < outs.size(); ++j) {
+    const at::Tensor& t = outs[j];
+    TORCH_CHECK_VALUE(
+        t.dim() == 2 && t.size(0) == first.size(0), "kt_regroup.", op, ": outs[", j,
+        "] must have shape (", first.size(0), ", width), got shape ", shape_str(t.sizes()));
+    TORCH_CHECK_TYPE(
+        t.scalar_type() == first.scalar_type(), "kt_regroup.", op, ": outs[", j, "] is ",
+        t.scalar_type(), " but pooled_embs[0] is ", first.scalar_type());
+    TORCH_CHECK_VALUE(
+        t.device() == first.device(), "kt_regroup.", op, ": outs[", j, "] is on ", t.device(),
+        " but pooled_embs[0] is on ", first.device());
+    TORCH_CHECK_VALUE(
+        t.size(1) <= 1 || t.stride(1) == 1, "kt_regroup.", op, ": outs[", j,
+        "] must have unit column stride, got strides (", t.stride(0), ", ", t.stride(1), ")");
+    widths.push_back(t.size(1));
+  }
+  // Byte ranges within one storage; conservative (a strided view counts as its whole span).
+  auto span = [](const at::Tensor& t) {
+    const int64_t es = t.element_size();
+    int64_t lo = t.storage_offset() * es, hi = lo;
+    if (t.numel() > 0) {
+      hi = lo + es;
+      for (int64_t d = 0; d < t.dim(); ++d) hi += (t.size(d) - 1) * t.stride(d) * es;
+    }
+    return std::make_pair(lo, hi);
+  };
+  auto overlaps = [&](const at::Tensor& a, const at::Tensor& b) {
+    if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
+    const auto [alo, ahi] = span(a);
+    const auto [blo, bhi] = span(b);
+    return alo < bhi && blo < ahi;
+  };
+  for (size_t j = 0; j < outs.size(); ++j) {
+    for (size_t i = 0; i < pooled_embs.size(); ++i) {
+      TORCH_CHECK_VALUE(
+          !overlaps(outs[j], pooled_embs[i]), "kt_regroup.", op, ": outs[", j,
+          "] overlaps pooled_embs[", i, "] in memory; outputs must not alias the inputs");
+    }
+    for (size_t k = 0; k < j; ++k) {
+      TORCH_CHECK_VALUE(
+          !overlaps(outs[j], outs[k]), "kt_regroup.", op, ": outs[", j, "] overlaps outs[", k,
+          "] in memory; outputs must not alias each other");
+    }
+  }
+  return widths;
+}
+
+bool segments_tile_outputs(const std::vector<Segment>& segments, c10::IntArrayRef out_lengths) {
+  // Sufficient test: per output, segments arrive in increasing, gap-free order.
+  std::vector<int64_t> next(out_lengths.size(), 0);
+  for (const Segment& s : segments) {
+    if (s.out_off != next[s.out_t]) return false;
+    next[s.out_t] += s.length;
+  }
+  for (size_t j = 0; j < out_lengths.size(); ++j) {
+    if (next[j] != out_lengths[j]) return false;
+  }
+  return true;
+}
+
+TensorPtrs grad_pointers(
+    const c10::List<std::optional<at::Tensor>>& grad_outputs,
+    std::vector<std::optional<at::Tensor>>& held) {
+  held.assign(grad_outputs.begin(), grad_outputs.end());
+  TensorPtrs ptrs(held.size(), nullptr);
+  for (size_t j = 0; j < held.size(); ++j) {
+    if (held[j].has_value() && held[j]->defined()) ptrs[j] = &*held[j];
+  }
+  return ptrs;
+}
+
+namespace {
+
+// ---- the plan: torchrec's _kt_regroup_arguments ------------------------------------------
+
+using Names = std::vector<std::vector<std::string>>;
+
+std::string preview(const std::vector<std::string>& keys, size_t limit = 8) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t k = 0; k < std::min(keys.size(), limit); ++k) s << (k ? ", " : "") << "'" << keys[k] << "'";
+  if (keys.size() > limit) s << ", ... (" << keys.size() << " keys)";
+  s << "]";
+  return s.str();
+}
+
+struct Rows {
+  std::vector<std::array<int64_t, kPermuteColumns>> rows;
+  std::vector<int64_t> in_lengths;
+  std::vector<int64_t> out_lengths;
+};
+
+// One row per group entry; duplicated keys are chained through column 5 the way
+// torchrec's _kt_regroup_arguments does (first occurrence -> index of the second; later
+// occurrences -> minus the index of the next one, the last -> minus the row count).
+Rows build_rows(
+    const Names& keys,
+    const std::vector<std::vector<int64_t>>& lengths,
+    const Names& groups) {
+  TORCH_CHECK_VALUE(!keys.empty(), "kt_regroup: no input tensors given (keys is empty)");
+  TORCH_CHECK_VALUE(
+      keys.size() == lengths.size(), "kt_regroup: got keys for ", keys.size(),
+      " tensors but lengths for ", lengths.size());
+  struct Where {
+    int64_t tensor, offset, width;
+  };
+  std::unordered_map<std::string_view, Where> where;
+  Rows out;
+  for (size_t t = 0; t < keys.size(); ++t) {
+    TORCH_CHECK_VALUE(
+        keys[t].size() == lengths[t].size(), "kt_regroup: input ", t, " has ", keys[t].size(),
+        " keys but ", lengths[t].size(), " lengths");
+    int64_t offset = 0;
+    for (size_t k = 0; k < keys[t].size(); ++k) {
+      const std::string& key = keys[t][k];
+      const int64_t width = lengths[t][k];
+      TORCH_CHECK_VALUE(
+          width >= 0, "kt_regroup: key '", key, "' of input ", t, " has negative width ", width);
+      const auto [it, inserted] = where.emplace(key, Where{int64_t(t), offset, width});
+      TORCH_CHECK_VALUE(
+          inserted, "kt_regroup: key '", key, "' appears in input ", it->second.tensor,
+          " and input ", t, "; a key must name exactly one column block (ambiguous)");
+      offset += width;
+    }
+    out.in_lengths.push_back(offset);
+  }
+  size_t total = 0;
+  for (const auto& g : groups) total += g.size();
+  out.rows.reserve(total);
+  std::unordered_map<std::string_view, int64_t> last_seen;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    int64_t out_off = 0;
+    for (const std::string& key : groups[g]) {
+      const auto it = where.find(key);
+      if (it == where.end()) {
+        std::ostringstream looked;
+        for (size_t t = 0; t < keys.size(); ++t) looked << (t ? "; " : "") << "input " << t << ": " << preview(keys[t]);
+        TORCH_CHECK_INDEX(
+            false, "kt_regroup: group ", g, " asks for key '", key, "', which is in none of the ",
+            keys.size(), " inputs (looked in: ", looked.str(), ")");
+      }
+      const Where& w = it->second;
+      const int64_t idx = static_cast<int64_t>(out.rows.size());
+      int64_t next = 0;
+      const auto seen = last_seen.find(key);
+      if (seen == last_seen.end()) {
+        last_seen.emplace(key, idx);
+      } else {
+        const int64_t prev = seen->second;
+        if (prev >= 0) {
+          out.rows[prev][5] = idx;
+        } else {
+          out.rows[-prev][5] = -idx;
+        }
+        seen->second = -idx;
+        next = -static_cast<int64_t>(total);
+      }
+      out.rows.push_back({w.tensor, int64_t(g), w.offset, out_off, w.width, next});
+      out_off += w.width;
+    }
+    out.out_lengths.push_back(out_off);
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> kt_regroup_arguments(
+    const at::Tensor& embs,
+    const Names& keys,
+    const std::vector<std::vector<int64_t>>& lengths,
+    const Names& groups) {
+  const Rows plan = build_rows(keys, lengths, groups);
+  const auto i32 = at::TensorOptions().dtype(at::kInt);
+  at::Tensor permutes = at::empty({int64_t(plan.rows.size()), kPermuteColumns}, i32);
+  int32_t* p = permutes.mutable_data_ptr<int32_t>();
+  for (const auto& row : plan.rows) {
+    for (int64_t v : row) *p++ = static_cast<int32_t>(v);
+  }
+  auto int_tensor = [&](const std::vector<int64_t>& v) {
+    return at::tensor(v, at::TensorOptions().dtype(at::kLong)).to(at::kInt);
+  };
+  at::Tensor in_shapes = int_tensor(plan.in_lengths);
+  at::Tensor out_shapes = int_tensor(plan.out_lengths);
+  if (!embs.device().is_cpu()) {
+    permutes = permutes.to(embs.device());
+    in_shapes = in_shapes.to(embs.device());
+    out_shapes = out_shapes.to(embs.device());
+  }
+  return {permutes, in_shapes, out_shapes, plan.out_lengths};
+}
+
+// Composite: kt_regroup_arguments, then permute_multi_embedding (whose kernels and
+// autograd apply). Under FakeTensorMode both steps use their fake kernels.
+std::vector<at::Tensor> regroup_keyed_tensor(
+    at::TensorList pooled_embs,
+    const Names& keys,
+    const std::vector<std::vector<int64_t>>& lengths,
+    const Names& groups) {
+  TORCH_CHECK_VALUE(
+      pooled_embs.size() == keys.size(), "kt_regroup.regroup_keyed_tensor: ",
+      pooled_embs.size(), " tensors but keys for ", keys.size());
+  TORCH_CHECK_VALUE(!keys.empty(), "kt_regroup: no input tensors given (keys is empty)");
+  static auto arguments_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kt_regroup::kt_regroup_arguments", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>>(
+              const at::Tensor&, const Names&, const std::vector<std::vector<int64_t>>&,
+              const Names&)>();
+  static auto permute_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kt_regroup::permute_multi_embedding", "")
+          .typed<std::vector<at::Tensor>(
+              at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              c10::SymIntArrayRef)>();
+  const auto [permutes, in_shapes, out_shapes, out_lengths] =
+      arguments_op.call(pooled_embs[0], keys, lengths, groups);
+  return permute_op.call(
+      pooled_embs, permutes, in_shapes, out_shapes, c10::fromIntArrayRefSlow(out_lengths));
+}
+
+}  // namespace
+}  // namespace kt_regroup
+
+// The torch version this library was compiled against (kt_regroup/ops.py warns when the
+// running torch differs).
+extern "C" const char* kt_regroup_built_with_torch() {
+  return TORCH_VERSION;
+}
+
+TORCH_LIBRARY(kt_regroup, m) {
+  // Fake kernels are registered by this Python module; torch imports it when it needs them.
+  m.set_python_module("kt_regroup.ops");
+  m.def(
+      "permute_multi_embedding(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
+      "Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]");
+  m.def(
+      "permute_multi_embedding_backward(Tensor?[] grad_outputs, Tensor permutes, "
+      "Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, SymInt batch_size, "
+      "ScalarType dtype) -> Tensor[]");
+  m.def(
+      "permute_multi_embedding_to(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
+      "Tensor out_shapes, SymInt[] out_lengths, ScalarType? dtype=None) -> Tensor[]");
+  m.def(
+      "permute_multi_embedding_into(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes, "
+      "Tensor out_shapes, Tensor(a!)[] outs) -> ()");
+  m.def(
+      "kt_regroup_arguments(Tensor embs, str[][] keys, int[][] lengths, str[][] groups) "
+      "-> (Tensor, Tensor, Tensor, int[])");
+  m.def(
+      "regroup_keyed_tensor(Tensor[] pooled_embs, str[][] keys, int[][] lengths, "
+      "str[][] groups) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(kt_regroup, CompositeExplicitAutograd, m) {
+  m.impl("kt_regroup_arguments", TORCH_FN(kt_regroup::kt_regroup_arguments));
+}
+
+TORCH_LIBRARY_IMPL(kt_regroup, CompositeImplicitAutograd, m) {
+  m.impl("regroup_keyed_tensor", TORCH_FN(kt_regroup::regroup_keyed_tensor));
+}
