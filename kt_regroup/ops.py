@@ -125,21 +125,21 @@ def _load_library() -> Optional[Path]:
     if wanted == "reference":
         return None
     found = sorted(Path(__file__).resolve().parent.glob("_C*.so"))
-    problem = "it is not built (no kt_regroup/_C*.so)"
+    problem = "is not built (no kt_regroup/_C*.so)"
     if found:
         try:
             torch.ops.load_library(str(found[0]))
         except (OSError, RuntimeError) as exc:
             lines = str(exc).strip().splitlines()
-            problem = f"{found[0]} does not load ({lines[0] if lines else type(exc).__name__})"
+            problem = f"at {found[0]} does not load ({lines[0] if lines else type(exc).__name__})"
         else:
             _warn_if_outdated(found[0])
             return found[0]
     if wanted == "cpp":
         raise RuntimeError(f"kt_regroup: {BACKEND_ENV}=cpp but the compiled op library {problem}")
     logger.warning(
-        "kt_regroup: the compiled op library is unavailable: %s. Using the portable PyTorch "
-        "kernels; install with `pip install --no-build-isolation .` to build it.",
+        "kt_regroup: the compiled op library %s; using the portable PyTorch kernels "
+        "(`pip install --no-build-isolation .` builds it)",
         problem,
     )
     return None
@@ -178,42 +178,89 @@ def _regroup_keyed_tensor_reference(pooled_embs, keys, lengths, groups):
     )
 
 
-def _setup_permute(ctx, inputs, output):
-    pooled_embs, permutes, in_shapes, out_shapes = inputs[:4]
-    # Index tensors nothing modifies: attributes rather than saved tensors, so plans made
-    # under torch.inference_mode() train too.
-    ctx.plan_tensors = (permutes, in_shapes, out_shapes)
-    ctx.in_lengths = [t.size(1) for t in pooled_embs]
-    ctx.batch_size = pooled_embs[0].size(0)
-    ctx.dtype = pooled_embs[0].dtype
-    ctx.n_rest = len(inputs) - 1
+# The Python autograd mirrors csrc/autograd.cpp: Autograd kernels around
+# torch.autograd.Functions whose forward redispatches below autograd.
 
 
-def _permute_backward(ctx, grads):
-    grad_inputs = torch.ops.kt_regroup.permute_multi_embedding_backward(
-        list(grads), *ctx.plan_tensors, ctx.in_lengths, ctx.batch_size, ctx.dtype
-    )
-    return (grad_inputs,) + (None,) * ctx.n_rest
+class _Permute(torch.autograd.Function):
+    """permute_multi_embedding and, with ``cast``, permute_multi_embedding_to."""
+
+    @staticmethod
+    def forward(ctx, permutes, in_shapes, out_shapes, out_lengths, dtype, cast, *pooled_embs):
+        # Index tensors nothing modifies: attributes rather than saved tensors, so plans
+        # made under torch.inference_mode() train too.
+        ctx.plan_tensors = (permutes, in_shapes, out_shapes)
+        ctx.in_lengths = [t.size(1) for t in pooled_embs]
+        ctx.batch_size = pooled_embs[0].size(0) if pooled_embs else 0
+        ctx.dtype = pooled_embs[0].dtype if pooled_embs else None
+        with torch._C._AutoDispatchBelowAutograd():
+            if cast:
+                return tuple(torch.ops.kt_regroup.permute_multi_embedding_to(
+                    list(pooled_embs), permutes, in_shapes, out_shapes, out_lengths, dtype
+                ))
+            return tuple(torch.ops.kt_regroup.permute_multi_embedding(
+                list(pooled_embs), permutes, in_shapes, out_shapes, out_lengths
+            ))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad_inputs = torch.ops.kt_regroup.permute_multi_embedding_backward(
+            list(grads), *ctx.plan_tensors, ctx.in_lengths, ctx.batch_size, ctx.dtype
+        )
+        return (None,) * 6 + tuple(grad_inputs)
 
 
-def _setup_backward(ctx, inputs, output):
-    grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype = inputs
-    ctx.plan_tensors = (permutes, in_shapes, out_shapes)
-    ctx.widths = [None if g is None else g.size(1) for g in grad_outputs]
-    ctx.grad_dtype = next((g.dtype for g in grad_outputs if g is not None), dtype)
+def _permute_autograd(pooled_embs, permutes, in_shapes, out_shapes, out_lengths):
+    return list(_Permute.apply(permutes, in_shapes, out_shapes, out_lengths, None, False,
+                               *pooled_embs))
 
 
-def _backward_backward(ctx, grad_grads):
-    widths = ctx.widths
-    if None in widths:
-        declared = ctx.plan_tensors[2].tolist()
-        widths = [declared[j] if w is None else w for j, w in enumerate(widths)]
-    like = next(g for g in grad_grads if g is not None)
-    inputs = [torch.zeros_like(like) if g is None else g for g in grad_grads]
-    grads = torch.ops.kt_regroup.permute_multi_embedding_to(
-        inputs, *ctx.plan_tensors, widths, ctx.grad_dtype
-    )
-    return (grads,) + (None,) * 6
+def _permute_to_autograd(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype=None):
+    return list(_Permute.apply(permutes, in_shapes, out_shapes, out_lengths, dtype, True,
+                               *pooled_embs))
+
+
+class _PermuteBackward(torch.autograd.Function):
+    """The backward op: its gradient is the forward permute, cast back to the output
+    gradients' dtype. The defined gradients come as separate arguments (``positions``
+    says where they go): autograd sees no tensor inside a list."""
+
+    @staticmethod
+    def forward(ctx, positions, n_out, permutes, in_shapes, out_shapes, in_lengths, batch_size,
+                dtype, *defined):
+        grads = [None] * n_out
+        for k, j in enumerate(positions):
+            grads[j] = defined[k]
+        ctx.plan_tensors = (permutes, in_shapes, out_shapes)
+        ctx.positions = positions
+        ctx.widths = [None if g is None else g.size(1) for g in grads]
+        ctx.grad_dtype = defined[0].dtype if defined else dtype
+        with torch._C._AutoDispatchBelowAutograd():
+            return tuple(torch.ops.kt_regroup.permute_multi_embedding_backward(
+                grads, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype
+            ))
+
+    @staticmethod
+    def backward(ctx, *grad_grads):
+        widths = ctx.widths
+        if None in widths:  # a None gradient: its width is only in out_shapes
+            declared = ctx.plan_tensors[2].tolist()
+            widths = [declared[j] if w is None else w for j, w in enumerate(widths)]
+        like = next(g for g in grad_grads if g is not None)
+        inputs = [torch.zeros_like(like) if g is None else g for g in grad_grads]
+        outs = torch.ops.kt_regroup.permute_multi_embedding_to(
+            inputs, *ctx.plan_tensors, widths, ctx.grad_dtype
+        )
+        return (None,) * 8 + tuple(outs[j] for j in ctx.positions)
+
+
+def _permute_backward_autograd(grad_outputs, permutes, in_shapes, out_shapes, in_lengths,
+                               batch_size, dtype):
+    positions = [j for j, g in enumerate(grad_outputs) if g is not None]
+    return list(_PermuteBackward.apply(
+        positions, len(grad_outputs), permutes, in_shapes, out_shapes, in_lengths, batch_size,
+        dtype, *(grad_outputs[j] for j in positions),
+    ))
 
 
 def _define_without_library() -> torch.library.Library:
@@ -229,16 +276,9 @@ def _define_without_library() -> torch.library.Library:
     ):
         lib.impl(name, kernel, "CompositeExplicitAutograd")
     lib.impl("regroup_keyed_tensor", _regroup_keyed_tensor_reference, "CompositeImplicitAutograd")
-    for name in ("permute_multi_embedding", "permute_multi_embedding_to"):
-        torch.library.register_autograd(
-            f"{NAMESPACE}::{name}", _permute_backward, setup_context=_setup_permute, lib=lib
-        )
-    torch.library.register_autograd(
-        f"{NAMESPACE}::permute_multi_embedding_backward",
-        _backward_backward,
-        setup_context=_setup_backward,
-        lib=lib,
-    )
+    lib.impl("permute_multi_embedding", _permute_autograd, "Autograd")
+    lib.impl("permute_multi_embedding_to", _permute_to_autograd, "Autograd")
+    lib.impl("permute_multi_embedding_backward", _permute_backward_autograd, "Autograd")
     return lib
 
 

@@ -269,6 +269,59 @@ def test_gradcheck_float64_strided_and_regroup_keyed_tensor():
     assert torch.autograd.gradcheck(fn, tuple(values))
 
 
+@pytest.mark.parametrize("name", ["small", "seed1"])
+def test_gradgradcheck_float64_forward_and_backward_ops(name):
+    # The op is linear: the backward of the backward is the forward permute.
+    layout = LAYOUTS[name]
+    values = make_values(layout, 3, torch.float64, requires_grad=True)
+    p, i, o, out_lengths = kt_regroup.kt_regroup_arguments(values[0], *layout)
+
+    def forward(*xs):
+        return tuple(torch.ops.kt_regroup.permute_multi_embedding(list(xs), p, i, o, out_lengths))
+
+    assert torch.autograd.gradgradcheck(forward, tuple(values))
+    grads = [torch.randn(3, n, dtype=torch.float64, requires_grad=True) for n in out_lengths]
+
+    def backward(*gs):  # a None gradient among them
+        gs = list(gs[:1]) + [None] + list(gs[1:])
+        return tuple(torch.ops.kt_regroup.permute_multi_embedding_backward(
+            gs, p, i, o, layout.in_widths, 3, torch.float64))
+
+    defined = tuple(g for j, g in enumerate(grads) if j != 1)
+    assert torch.autograd.gradcheck(backward, defined)
+    assert torch.autograd.gradgradcheck(backward, defined)
+
+
+def test_gradient_penalty_through_create_graph():
+    # d/dx of ||d(out.w)/dx||^2 is 0 for a linear map, but the graph must exist: the
+    # first-order gradient requires grad and feeds a second backward.
+    layout = SMALL_LAYOUT
+    x = make_values(layout, 2, torch.float64, requires_grad=True)
+    out = kt_regroup.regroup_keyed_tensor(x, *layout)
+    w = [torch.randn_like(o, requires_grad=True) for o in out]
+    grads = torch.autograd.grad(sum((o * wi).sum() for o, wi in zip(out, w)), x, create_graph=True)
+    assert all(g.requires_grad for g in grads)
+    penalty = sum((g ** 2).sum() for g in grads)
+    penalty.backward()
+    # d penalty / d w = 2 * permute(grads): nonzero, and equal to the forward permute.
+    p, i, o, n = kt_regroup.kt_regroup_arguments(x[0], *layout)
+    expected = torch.ops.kt_regroup.permute_multi_embedding([2 * g.detach() for g in grads], p, i, o, n)
+    assert_same_list([wi.grad for wi in w], expected)
+
+
+def test_fused_cast_backward_with_the_default_dtype():
+    layout = SMALL_LAYOUT
+    x = make_values(layout, 2, requires_grad=True)
+    p, i, o, n = kt_regroup.kt_regroup_arguments(x[0], *layout)
+    for outs in (
+        torch.ops.kt_regroup.permute_multi_embedding_to(x, p, i, o, n),  # dtype defaulted
+        torch.ops.kt_regroup.permute_multi_embedding_to(x, p, i, o, n, None),
+        kt_regroup.permute_multi_embedding_to(x, p, i, o, n),
+    ):
+        grads = torch.autograd.grad(sum(t.sum() for t in outs), x)
+        assert torch.equal(grads[1][:, 0], torch.full((2,), 3.0))  # 'c' used three times
+
+
 def _expected_grads(layout, grads, batch, acc_dtype):
     """Input gradients by hand: scatter-add every group's gradient blocks."""
     out = [torch.zeros(batch, w, dtype=acc_dtype) for w in layout.in_widths]
@@ -392,9 +445,10 @@ def test_backend_reports_what_serves_cpu():
     reason="this run already uses the portable kernels and their Python autograd",
 )
 def test_forced_reference_backend_passes_op_and_autograd_tests(tmp_path):
-    # With the native kernel loaded, its C++ autograd replaces the Python one: rerun
-    # the op, opcheck, gradient and compile tests with KT_REGROUP_BACKEND=reference so
-    # the fallback that users without a compiler get is covered too.
+    # Without the compiled library the schemas, kernels and autograd are Python's: rerun
+    # the op, opcheck, gradient, compile and plan-cache tests with
+    # KT_REGROUP_BACKEND=reference so the fallback of users without the library is
+    # covered too.
     import os
     import pathlib
     import subprocess
@@ -405,7 +459,8 @@ def test_forced_reference_backend_passes_op_and_autograd_tests(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tests.parent), env.get("PYTHONPATH")]))
     select = (
         "opcheck or gradcheck or backward or gradients or compile_fullgraph or backend_reports"
-        " or test_permute_multi_embedding_parity or inference_mode"
+        " or test_permute_multi_embedding_parity or inference_mode or plan_cache"
+        " or distinct_layouts or equals_torchrec"
     )
     proc = subprocess.run(
         [
@@ -420,6 +475,7 @@ def test_forced_reference_backend_passes_op_and_autograd_tests(tmp_path):
             select,
             str(tests / "test_ops.py"),
             str(tests / "test_module.py"),
+            str(tests / "test_plan.py"),
         ],
         check=False,
         env=env,

@@ -221,8 +221,13 @@ def test_plan_cache_never_returns_another_layouts_plan(monkeypatch):
     keys = ["a", "b", "c", "d", "e"]
     for _ in range(3):
         for order in itertools.permutations(keys):
-            out = kt_regroup.regroup_keyed_tensor([x], [keys], [[1] * 5], [list(order)])
             expected = torch.tensor([[float(keys.index(k)) for k in order]])
+            out = kt_regroup.regroup_keyed_tensor([x], [keys], [[1] * 5], [list(order)])
+            assert torch.equal(out[0], expected), order
+            plan = kt_regroup.get_plan([keys], [[1] * 5], [list(order)])
+            out = torch.ops.kt_regroup.permute_multi_embedding(
+                [x], *plan.coalesced_tensors(), plan.out_lengths
+            )
             assert torch.equal(out[0], expected), order
     assert len(plan_module._plans) <= 8
 
