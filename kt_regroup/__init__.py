@@ -21,6 +21,9 @@ _LAZY = {
     "KTRegroupAsDict": "kt_regroup.module",
     "regroup": "kt_regroup.functional",
     "regroup_as_dict": "kt_regroup.functional",
+    "patch_torchrec": "kt_regroup.patch",
+    "unpatch_torchrec": "kt_regroup.patch",
+    "register_keyed_tensor_pytree": "kt_regroup.keyed_tensor_pytree",
 }
 
 
@@ -41,8 +44,11 @@ __all__ = [
     "get_plan",
     "kt_regroup_arguments",
     "ops",
+    "patch_torchrec",
     "permute_multi_embedding",
     "regroup",
     "regroup_as_dict",
     "regroup_keyed_tensor",
+    "register_keyed_tensor_pytree",
+    "unpatch_torchrec",
 ]
