@@ -24,6 +24,7 @@ _LAZY = {
     "patch_torchrec": "kt_regroup.patch",
     "unpatch_torchrec": "kt_regroup.patch",
     "register_keyed_tensor_pytree": "kt_regroup.keyed_tensor_pytree",
+    "register_ir_serializer": "kt_regroup.torchrec_ir",
 }
 
 
@@ -49,6 +50,7 @@ __all__ = [
     "regroup",
     "regroup_as_dict",
     "regroup_keyed_tensor",
+    "register_ir_serializer",
     "register_keyed_tensor_pytree",
     "unpatch_torchrec",
 ]

@@ -49,6 +49,7 @@ import kt_regroup.keyed_tensor_pytree  # noqa: F401  (KeyedTensor export inputs)
 from kt_regroup.functional import regroup, regroup_as_dict
 from kt_regroup.module import KTRegroupAsDict
 from kt_regroup.ops import kt_regroup_arguments
+from kt_regroup.torchrec_ir import register_ir_serializer
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ def patch_torchrec() -> _TorchrecPatch:
         True
     """
     global _patched
+    register_ir_serializer()  # torchrec.ir, where installed, must know the swapped-in class
     with _lock:
         applied = not _patched
         swap = {id(_ORIGINALS[n]): (_ORIGINALS[n], new) for n, (_, new) in _MODULE_LEVEL.items()}
