@@ -24,6 +24,17 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
@@ -31,13 +42,8 @@ import kt_regroup
 
 WORLD_SIZE = 2
 ROWS = 32
-DIMS = {
-    "user_id": 8,
-    "user_hist": 4,
-    "item_id": 12,
-    "context": 4,
-    "unused": 8,
-}  # multiples of 4: FBGEMM
+# Embedding dims: multiples of 4, which torchrec's table-wise sharding requires.
+DIMS = {"user_id": 8, "user_hist": 4, "item_id": 12, "context": 4, "unused": 8}
 GROUPS = [["user_id", "user_hist", "context"], ["item_id", "context"]]
 GROUP_NAMES = ["user", "item"]
 UNUSED_TABLE = "t_unused"
@@ -87,9 +93,6 @@ class Model(torch.nn.Module):
         self, regroup_cls: Callable[..., torch.nn.Module] = kt_regroup.KTRegroupAsDict
     ) -> None:
         super().__init__()
-        from torchrec.modules.embedding_configs import EmbeddingBagConfig
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
         self.ebc = EmbeddingBagCollection(
             tables=[
                 EmbeddingBagConfig(
@@ -109,17 +112,8 @@ class Model(torch.nn.Module):
         return loss, (loss.detach(), logits.detach())
 
 
-def shard(model: Model, lr: float = 0.1):
+def shard(model: Model, lr: float = 0.1) -> Tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
     """DMP with every table on one rank (table-wise) and fused SGD; SGD for the dense part."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ShardingEnv, ShardingType
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
     sharders = [
         EmbeddingBagCollectionSharder(
             fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr}
@@ -148,7 +142,7 @@ def shard(model: Model, lr: float = 0.1):
     return dmp, dense
 
 
-def table_weight(dmp, table: str) -> Optional[torch.Tensor]:
+def table_weight(dmp: DistributedModelParallel, table: str) -> Optional[torch.Tensor]:
     """A copy of ``table``'s weights on the rank that holds it (table-wise), else None."""
     for name, tensor in dmp.state_dict().items():
         if name.endswith(f"embedding_bags.{table}.weight"):
@@ -157,12 +151,15 @@ def table_weight(dmp, table: str) -> Optional[torch.Tensor]:
     raise KeyError(table)
 
 
-def train(dmp, optimizer, batches: List[Batch], pipelined: bool) -> List[float]:
+def train(
+    dmp: DistributedModelParallel,
+    optimizer: KeyedOptimizerWrapper,
+    batches: List[Batch],
+    pipelined: bool,
+) -> List[float]:
     """Trains on ``batches``; returns this rank's loss of each step."""
     losses = []
     if pipelined:
-        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
         pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
         batch_iter = iter(batches)
         for _ in batches:
