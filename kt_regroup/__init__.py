@@ -25,6 +25,10 @@ _LAZY = {
     "KTRegroupAsDict": "kt_regroup.module",
     "regroup": "kt_regroup.functional",
     "regroup_as_dict": "kt_regroup.functional",
+    "patch_torchrec": "kt_regroup.patch",
+    "unpatch_torchrec": "kt_regroup.patch",
+    "register_keyed_tensor_pytree": "kt_regroup.keyed_tensor_pytree",
+    "register_ir_serializer": "kt_regroup.torchrec_ir",
 }
 
 
@@ -47,10 +51,14 @@ __all__ = [
     "kt_regroup_arguments",
     "library_path",
     "ops",
+    "patch_torchrec",
     "permute_multi_embedding",
     "permute_multi_embedding_into",
     "permute_multi_embedding_to",
     "regroup",
     "regroup_as_dict",
     "regroup_keyed_tensor",
+    "register_ir_serializer",
+    "register_keyed_tensor_pytree",
+    "unpatch_torchrec",
 ]

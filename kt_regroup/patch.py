@@ -1,0 +1,215 @@
+"""Run models written against torchrec's names on kt_regroup: :func:`patch_torchrec`.
+
+``patch_torchrec()`` routes torchrec's regroup entry points to kt_regroup, in place:
+
+* ``KTRegroupAsDict``, in ``torchrec.modules.regroup`` and in every imported ``torchrec*``
+  module that bound the name -> ``kt_regroup.KTRegroupAsDict``;
+* ``KeyedTensor.regroup`` / ``regroup_as_dict`` -> ``kt_regroup.regroup`` /
+  ``kt_regroup.regroup_as_dict``;
+* ``jagged_tensor._regroup_keyed_tensors``, ``permute_multi_embedding``, ``regroup_kts``,
+  ``_fbgemm_permute_pooled_embs`` -> ``kt_regroup.regroup``;
+* ``_kt_regroup_arguments`` (``jagged_tensor``, ``modules.regroup``) ->
+  ``kt_regroup.kt_regroup_arguments`` (the same rows);
+* ``PermuteMultiEmbedding.forward`` (the permute inside torchrec's ``KTRegroupAsDict``)
+  -> torchrec's cached plan, run by ``torch.ops.kt_regroup.permute_multi_embedding``.
+
+What is swapped and what is not:
+
+* names are swapped, not objects: a ``KTRegroupAsDict`` constructed after patching is
+  kt_regroup's. One constructed before stays torchrec's class, but its permute runs on
+  ``torch.ops.kt_regroup`` (the ``PermuteMultiEmbedding.forward`` row), so it gets
+  kt_regroup's kernels and exact-zero gradients for unused keys too;
+* only ``torchrec*`` modules are rebound. A module of yours that did
+  ``from torchrec.modules.regroup import KTRegroupAsDict`` before patching keeps
+  torchrec's class (see above for what its instances compute with): patch first, or
+  refer to ``torchrec.modules.regroup.KTRegroupAsDict`` at call time;
+* ``unpatch_torchrec()`` restores every original, including in ``torchrec*`` modules
+  imported while patched. Modules constructed while patched stay kt_regroup's;
+* what was captured before (a scripted module, an fx graph, a compiled or exported
+  program) keeps what it captured; captures made while patched keep kt_regroup's.
+
+Every replacement stays traceable: the ``KeyedTensor`` methods call kt_regroup's
+functions through names that are ``torch.fx.wrap``-ed here (so fx and torchrec's
+tracer record one call, as for torchrec's), the ``jagged_tensor`` helpers keep torchrec's
+own wrapping, and all of them are TorchScript-able, compile and export.
+"""
+
+import logging
+import sys
+import threading
+from types import ModuleType
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torchrec.modules.regroup as _tr_regroup
+import torchrec.sparse.jagged_tensor as _tr_jagged
+from torchrec.sparse.jagged_tensor import KeyedTensor
+
+import kt_regroup.keyed_tensor_pytree  # noqa: F401  (KeyedTensor export inputs)
+from kt_regroup.functional import regroup, regroup_as_dict
+from kt_regroup.module import KTRegroupAsDict
+from kt_regroup.ops import kt_regroup_arguments
+from kt_regroup.torchrec_ir import register_ir_serializer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["patch_torchrec", "unpatch_torchrec"]
+
+# Called from the KeyedTensor methods below: wrapped here, fx records one call to each.
+torch.fx.wrap("regroup")
+torch.fx.wrap("regroup_as_dict")
+
+
+def _keyed_tensor_regroup(
+    keyed_tensors: List[KeyedTensor], groups: List[List[str]]
+) -> List[torch.Tensor]:
+    """``KeyedTensor.regroup`` on ``torch.ops.kt_regroup`` (installed by ``patch_torchrec``)."""
+    return regroup(keyed_tensors, groups)
+
+
+def _keyed_tensor_regroup_as_dict(
+    keyed_tensors: List[KeyedTensor], groups: List[List[str]], keys: List[str]
+) -> Dict[str, torch.Tensor]:
+    """``KeyedTensor.regroup_as_dict`` on ``torch.ops.kt_regroup`` (``patch_torchrec``)."""
+    return regroup_as_dict(keyed_tensors, groups, keys)
+
+
+def _permute_multi_embedding_forward(self, values: List[torch.Tensor]) -> List[torch.Tensor]:
+    """torchrec's ``PermuteMultiEmbedding.forward``: its cached plan, kt_regroup's op.
+
+    The plan (``init_tensors``) is torchrec's row format, which the op reads as is.
+    """
+    out_lengths = self._out_lengths
+    if out_lengths is None:  # torchrec's module not initialised: it passes values through
+        return values
+    permutes = self._permutes
+    in_shapes = self._in_shapes
+    out_shapes = self._out_shapes
+    if self._multi_device:
+        device = values[0].device
+        permutes = permutes.to(device, non_blocking=True)
+        in_shapes = in_shapes.to(device, non_blocking=True)
+        out_shapes = out_shapes.to(device, non_blocking=True)
+    return torch.ops.kt_regroup.permute_multi_embedding(
+        values, permutes, in_shapes, out_shapes, out_lengths
+    )
+
+
+# Module-level objects of torchrec -> kt_regroup's, rebound wherever a torchrec* module
+# holds them. jagged_tensor wraps its helpers with torch.fx.wrap by name, so the
+# replacements bound under those names are recorded as single calls by fx as well.
+# name -> (the torchrec module defining it, kt_regroup's replacement)
+_MODULE_LEVEL: Dict[str, Tuple[ModuleType, Any]] = {
+    "KTRegroupAsDict": (_tr_regroup, KTRegroupAsDict),
+    "_regroup_keyed_tensors": (_tr_jagged, regroup),
+    "permute_multi_embedding": (_tr_jagged, regroup),
+    "regroup_kts": (_tr_jagged, regroup),
+    "_fbgemm_permute_pooled_embs": (_tr_jagged, regroup),
+    "_kt_regroup_arguments": (_tr_jagged, kt_regroup_arguments),
+}
+# Class attributes: (class, name, replacement).
+_CLASS_LEVEL: List[Tuple[type, str, Any]] = [
+    (KeyedTensor, "regroup", staticmethod(_keyed_tensor_regroup)),
+    (KeyedTensor, "regroup_as_dict", staticmethod(_keyed_tensor_regroup_as_dict)),
+    (_tr_regroup.PermuteMultiEmbedding, "forward", _permute_multi_embedding_forward),
+]
+
+_lock = threading.Lock()
+# name -> torchrec's original, taken once (before any patch) so unpatch can always restore.
+_ORIGINALS: Dict[str, Any] = {name: getattr(mod, name) for name, (mod, _) in _MODULE_LEVEL.items()}
+_CLASS_ORIGINALS: List[Any] = [cls.__dict__[name] for cls, name, _ in _CLASS_LEVEL]
+_patched = False
+
+
+def _forget_scripted_classes() -> None:
+    # TorchScript reuses the compiled methods of a module class (and of every module
+    # holding one) for later instances of the same structure: after a swap of
+    # PermuteMultiEmbedding.forward, later scripts must compile afresh. A new store is
+    # what torch's own test utilities use; already scripted modules keep their code.
+    torch.jit._recursive.concrete_type_store = torch.jit._recursive.ConcreteTypeStore()
+
+
+def _torchrec_modules() -> List[ModuleType]:
+    return [
+        m
+        for name, m in list(sys.modules.items())
+        if m is not None and (name == "torchrec" or name.startswith("torchrec."))
+    ]
+
+
+def _rebind(swap: Dict[int, Tuple[Any, Any]]) -> List[str]:
+    """Sets ``mod.attr = new`` wherever a torchrec* module holds ``old`` (by identity)."""
+    done = []
+    for mod in _torchrec_modules():
+        for attr, value in list(vars(mod).items()):
+            hit = swap.get(id(value))
+            if hit is not None and hit[0] is value:
+                setattr(mod, attr, hit[1])
+                done.append(f"{mod.__name__}.{attr} -> {hit[1].__module__}.{hit[1].__name__}")
+    return done
+
+
+class _TorchrecPatch:
+    """Returned by :func:`patch_torchrec`; as a context manager it undoes its own patch."""
+
+    def __init__(self, applied: bool) -> None:
+        self._applied = applied  # False when torchrec was already patched at the call
+
+    def __enter__(self) -> "_TorchrecPatch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._applied:
+            unpatch_torchrec()
+
+
+def patch_torchrec() -> _TorchrecPatch:
+    """Routes torchrec's ``KTRegroupAsDict`` and ``KeyedTensor`` regroups to kt_regroup.
+
+    Idempotent (a second call only rebinds ``torchrec*`` modules imported since) and
+    undone by :func:`unpatch_torchrec`, or at the end of a ``with`` block. Each rebinding
+    is logged at INFO. See the module docs for what is and is not swapped.
+
+    Example::
+
+        >>> with kt_regroup.patch_torchrec():
+        ...     m = torchrec.modules.regroup.KTRegroupAsDict([["f1"]], ["g"])
+        >>> type(m) is kt_regroup.KTRegroupAsDict
+        True
+    """
+    global _patched
+    register_ir_serializer()  # torchrec.ir, where installed, must know the swapped-in class
+    with _lock:
+        applied = not _patched
+        swap = {id(_ORIGINALS[n]): (_ORIGINALS[n], new) for n, (_, new) in _MODULE_LEVEL.items()}
+        done = _rebind(swap)
+        for cls, name, new in _CLASS_LEVEL:
+            if cls.__dict__[name] is not new:
+                setattr(cls, name, new)
+                done.append(f"{cls.__module__}.{cls.__qualname__}.{name} -> kt_regroup")
+        _forget_scripted_classes()
+        _patched = True
+    for line in done:
+        logger.info("kt_regroup.patch_torchrec: %s", line)
+    return _TorchrecPatch(applied)
+
+
+def unpatch_torchrec() -> None:
+    """Restores every torchrec original :func:`patch_torchrec` replaced. Idempotent."""
+    global _patched
+    with _lock:
+        done = []
+        for mod in _torchrec_modules():
+            for attr, value in list(vars(mod).items()):
+                entry = _MODULE_LEVEL.get(attr)
+                if entry is not None and value is entry[1]:
+                    setattr(mod, attr, _ORIGINALS[attr])
+                    done.append(f"{mod.__name__}.{attr}")
+        for (cls, name, new), original in zip(_CLASS_LEVEL, _CLASS_ORIGINALS):
+            if cls.__dict__[name] is new:
+                setattr(cls, name, original)
+                done.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+        _forget_scripted_classes()
+        _patched = False
+    for line in done:
+        logger.info("kt_regroup.unpatch_torchrec: restored %s", line)
