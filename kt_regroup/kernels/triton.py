@@ -1,59 +1,58 @@
 """Triton kernels for ``permute_multi_embedding``: forward, fused cast, backward.
 
-They compute exactly what :mod:`kt_regroup.kernels.reference` computes, bit for bit,
-in a fixed number of launches and without ever reading the plan on the host: no
-``.tolist()``, ``.item()`` or data-dependent size, so a training step that uses them can
-be captured in a CUDA graph. With ``TRITON_INTERPRET=1`` they run on CPU tensors
-(Triton's interpreter), which is how they are tested without a GPU.
+They compute exactly what :mod:`kt_regroup.kernels.reference` computes, bit for bit, in
+a fixed number of launches and without reading tensor data on the host: no ``.tolist()``,
+``.item()`` or data-dependent size, so a training step that uses them can be captured in
+a CUDA graph. Widths come from the tensors' shapes and ``out_lengths``/``in_lengths``;
+``in_shapes``/``out_shapes`` are not read. With ``TRITON_INTERPRET=1`` (set before this
+module is imported) they run on CPU tensors in Triton's interpreter, which is how they
+are tested without a GPU.
 
 Design
 ------
-*Work split.* The grid is 1-D: one program per (permute row, block of batch rows). A
-program copies its row's column segment for ``BLOCK_B`` batch rows in ``BLOCK_C``-wide
-chunks, with int64 addressing throughout. Rows whose offsets, length and row strides are
-multiples of 16 bytes (and lie inside their tensors) take a branch where the compiler can
-prove that, so loads and stores become 128-bit vector accesses; other rows take a masked
-scalar branch. Programs that share a batch block and read neighbouring rows run next to
-each other (row index is the fast grid index).
+*Work split.* The grid is 1-D: one program per (permute row, block of ``BLOCK_B`` batch
+rows); the row index varies fastest, so neighbouring programs touch neighbouring columns
+of the same rows. A program copies its row's segment in ``BLOCK_C``-wide chunks, int64
+addressing throughout. Segments whose offsets, length and row strides are multiples of
+16 bytes (and lie inside their tensors) take a branch where the compiler can prove it, so
+loads and stores are 128-bit vector accesses; other segments take a masked scalar branch.
 
 *Several tensors without a pointer table.* The pointers, strides and widths of up to
 ``MAX_TENSORS`` inputs and as many outputs are kernel arguments (tuples), selected in the
-kernel with a short chain of scalar selects on the row's tensor index. Kernel arguments travel
-with the launch (and are baked into a CUDA graph), so nothing is copied to the device per
-call and each result stays an independent allocation. One flat buffer sliced into the
-outputs was rejected: PyTorch requires a custom op's outputs not to share storage (the
-aliasing check of ``torch.library``), one kept group would pin the whole buffer, and
-``permute_multi_embedding_into`` writes into caller-owned tensors anyway. With more
-tensors the launch is repeated per chunk of ``MAX_TENSORS`` tensors (rows of other chunks
-exit at once); the backward needs every gradient output in one launch, so beyond
-``MAX_TENSORS`` outputs it concatenates them once and rebases the rows on the device.
+kernel by a few scalar selects on the row's tensor index. Kernel arguments travel with
+the launch (and are baked into a CUDA graph): nothing is copied to the device per call,
+and every result is an independent allocation. One flat buffer sliced into the outputs
+was rejected: a custom op's outputs may not share storage (``torch.library``'s aliasing
+check), one kept group would pin the whole buffer, and ``permute_multi_embedding_into``
+writes into caller-owned tensors anyway. With more tensors the launch is repeated per
+chunk of ``MAX_TENSORS`` (rows of other chunks exit at once); the backward needs every
+gradient output in one launch, so beyond ``MAX_TENSORS`` outputs it concatenates them
+once and rebases the rows on the device.
 
 *Columns no row writes* (gaps in an output, gradients of unused keys) are zeros written
-exactly once: the main kernel marks the columns it writes in a byte mask (zeroed by one
-memset), and a second kernel stores zeros only where the mask is clear; its programs exit
-after one mask load where everything is covered. Nothing is zero-filled and then
-overwritten.
+exactly once: the copy kernel marks the columns it writes in a byte mask (zeroed by one
+memset), then a second kernel stores zeros only where the mask is clear; where all is
+covered its programs exit after one mask load. Nothing is zero-filled and overwritten.
 
-*Duplicates* (the backward). Rows use torchrec's duplicate chain (column 5): the first
-occurrence of a key points to its second (positive), later occurrences hold the negated
-index of the next one (or ``-len(permutes)`` at the end), keys used once hold 0. Only rows
-with ``next >= 0`` start a program's work; such a program sums its own gradient block and
-those of the rows on its chain in registers, tile by tile, in float32 for float16/bfloat16
-(float64 when either side is float64, as PyTorch's promotion does), in row order, and
-stores the input gradient once. No atomics, no read-modify-write of global memory.
+*Duplicates* (the backward). Rows carry torchrec's duplicate chain (column 5): the first
+occurrence of a key points to its second (positive), later occurrences hold minus the
+index of the next one (or ``-len(permutes)`` at the end), keys used once hold 0. Only
+rows with ``next >= 0`` do work: such a program sums its own gradient block and those of
+the rows on its chain in registers, tile by tile, in row order, in float32 for
+float16/bfloat16 (float64 when either side is float64, PyTorch's promotion), and stores
+the input gradient once. No atomics, no read-modify-write of global memory.
 
-*Launches per call* (batch > 0, at most ``MAX_TENSORS`` inputs and outputs): forward
-3 (mask memset, copy, zero fill), backward 3; independent of the number of rows.
-Batch 0 launches nothing.
+*Launches per call* (batch > 0, at most ``MAX_TENSORS`` inputs and outputs): forward 3
+(mask memset, copy, zero fill), backward 3, whatever the number of rows. Batch 0 launches
+nothing.
 
-*Bad rows* never lead to an access outside a tensor: writes are clipped to the written
-tensor's real width (from its shape, not from ``in_shapes``/``out_shapes``), reads outside
-the read tensor's width load 0, a tensor index outside the tensor list makes the row a
-no-op (its columns stay zero), and chain walks stop after ``len(permutes)`` steps. What a
-bad plan computes is then defined but not meaningful: overlapping output segments race,
-duplicates without a chain (``next == 0`` twice) race, and a chain that links different
-keys sums blocks of different keys. Plans are validated where their metadata is on the
-host; these kernels do not re-check them.
+*Bad rows* never make an access leave its tensor: writes are clipped to the written
+tensor's real width, reads outside the read tensor's width load 0, a tensor index outside
+the list makes the row a no-op (its columns are zero-filled), and a chain walk stops after
+``len(permutes)`` steps. What a bad plan computes is then defined but not meaningful:
+overlapping output segments race, duplicates without a chain (``next == 0`` twice) race,
+a chain linking different keys sums their blocks. Plans are validated where their
+metadata is on the host; these kernels do not re-check them.
 """
 
 from __future__ import annotations
