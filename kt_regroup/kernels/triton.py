@@ -94,6 +94,14 @@ _TL_DTYPE = {
 # Tensors are passed as tuples (pointers, strides, widths): Triton specialises a kernel on
 # the tuple lengths and turns ``vals[k]`` in a static loop into plain arguments. Tuple
 # elements equal to 1 arrive as compile-time constants, hence ``tl.cast`` over ``.to``.
+# Only builtins of triton.language are used, none of its @triton.jit library functions
+# (cdiv, zeros, max, ...): those are interpreted only if Triton itself was imported after
+# TRITON_INTERPRET=1 was set, these kernels whenever this module was.
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
 
 
 @triton.jit
@@ -190,13 +198,13 @@ def _segment(
     COMPUTE: tl.constexpr = tl.float64 if (ACC == tl.float64 or IN == tl.float64) else tl.float32
     if not BACKWARD:
         r_ptr, rs, cs, rw = _pick_read(rt, reads, r_rs, r_cs, r_w)
-    for ci in range(0, tl.cdiv(c_hi - c_lo, BLOCK_C)):
+    for ci in range(0, (c_hi - c_lo + BLOCK_C - 1) // BLOCK_C):
         c = c_lo + ci * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
         if bblk == 0:  # one program per row marks the columns it writes
             one = tl.full([BLOCK_C], 1, tl.int8)
             tl.store(written_ptr + first + wo + c, one, mask=c < c_hi)
         if BACKWARD:
-            acc = tl.zeros([rows.shape[0], BLOCK_C], dtype=ACC)
+            acc = tl.full([rows.shape[0], BLOCK_C], 0, dtype=ACC)
             cur_t = rt
             cur_off = ro
             cur_len = length
@@ -296,7 +304,7 @@ def _zero_unwritten_kernel(
     (the written tensors side by side) and of rows per program."""
     col = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
     unwritten = tl.load(written_ptr + col, mask=col < n_cols, other=1) == 0
-    if tl.max(unwritten.to(tl.int32), axis=0) > 0:
+    if tl.reduce(unwritten.to(tl.int32), 0, _add) > 0:
         # Each column's tensor: the last one starting at or before it (a zero-width
         # tensor starts where the next one does and loses to it).
         t = col * 0
@@ -308,7 +316,7 @@ def _zero_unwritten_kernel(
             end += w_w[k]
         base = _pick(t, writes) + (col - start)
         rs = tl.cast(_pick(t, w_rs), tl.int64) + col * 0  # a vector even for one tensor
-        zeros = tl.zeros([BLOCK_B, BLOCK_C], dtype=writes[0].dtype.element_ty)
+        zeros = tl.full([BLOCK_B, BLOCK_C], 0, dtype=writes[0].dtype.element_ty)
         first_row = tl.program_id(1).to(tl.int64) * rows_per_program
         end_row = tl.minimum(first_row + rows_per_program, batch)
         for r in range(first_row, end_row, BLOCK_B):
