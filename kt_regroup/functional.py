@@ -11,6 +11,7 @@ from typing import Dict, List
 import torch
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
+import kt_regroup.keyed_tensor_pytree  # noqa: F401  (KeyedTensor as a torch.export input)
 import kt_regroup.ops  # noqa: F401  (registers torch.ops.kt_regroup)
 
 __all__ = ["regroup", "regroup_as_dict"]

@@ -333,3 +333,9 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
 
     def clear_cache(self) -> None:
         self._plan = RegroupPlanModule()
+
+
+# torchrec's IR serializer learns this class where torchrec.ir exists.
+from kt_regroup.torchrec_ir import register_ir_serializer  # noqa: E402
+
+register_ir_serializer()

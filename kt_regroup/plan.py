@@ -304,6 +304,8 @@ def get_plan(
     to call from many threads (only a miss takes the lock).
     """
     layout = _normalise(keys, lengths, groups)
+    if torch.compiler.is_compiling():  # dynamo traces no lock: build, share nothing
+        return RegroupPlan.build(*layout)
     plan = _plans.get(layout)
     if plan is None:
         built = RegroupPlan.build(*layout)

@@ -125,7 +125,7 @@ def test_fresh_process_import_order_and_what_export_needed():
                 return type(e).__name__ + ": " + str(e).splitlines()[0]
 
         facts["export_before"] = exports()
-        kt_regroup.register_keyed_tensor_pytree()
+        from kt_regroup import KTRegroupAsDict  # noqa: F401  (the torchrec-facing API registers it)
         after = pytree.SUPPORTED_NODES[KeyedTensor]
         facts["keys_fn_after"] = after.flatten_with_keys_fn is not None
         facts["flatten_kept"] = node is None or after.flatten_fn is node.flatten_fn
