@@ -42,7 +42,16 @@ def _layout_matches(
     if len(keyed_tensors) != len(in_keys):
         return False
     for i, kt in enumerate(keyed_tensors):
-        if kt.key_dim() != key_dim or kt.keys() != in_keys[i] or kt.length_per_key() != in_lengths[i]:
+        if kt.key_dim() != key_dim:
+            return False
+        # A list compares in C; keys or lengths given as tuples compare as lists.
+        keys = kt.keys()
+        if keys != in_keys[i] and (isinstance(keys, list) or list(keys) != in_keys[i]):
+            return False
+        lengths = kt.length_per_key()
+        if lengths != in_lengths[i] and (
+            isinstance(lengths, list) or list(lengths) != in_lengths[i]
+        ):
             return False
     return True
 
@@ -134,6 +143,27 @@ def _to_tensor_dict(keys: List[str], values: List[torch.Tensor]) -> Dict[str, to
     return {key: values[i] for i, key in enumerate(keys)}
 
 
+def _check_inputs(keyed_tensors) -> None:
+    """Clear errors for what is not a list of KeyedTensors (checked when a plan is built)."""
+    if not isinstance(keyed_tensors, (list, tuple)):
+        raise TypeError(
+            "KTRegroupAsDict expects a list of KeyedTensors, got "
+            f"{type(keyed_tensors).__name__}"
+        )
+    if len(keyed_tensors) == 0:
+        raise ValueError("KTRegroupAsDict: keyed_tensors is empty")
+    for i, kt in enumerate(keyed_tensors):
+        if not isinstance(kt, KeyedTensor):
+            raise TypeError(f"KTRegroupAsDict: keyed_tensors[{i}] is a {type(kt).__name__}, not a KeyedTensor")
+    key_dim = keyed_tensors[0].key_dim()
+    for i, kt in enumerate(keyed_tensors):
+        if kt.key_dim() != key_dim:
+            raise ValueError(
+                f"KTRegroupAsDict: all inputs must have the same key_dim; input {i} has "
+                f"key_dim {kt.key_dim()}, input 0 has {key_dim}"
+            )
+
+
 class RegroupPlanModule(torch.nn.Module):
     """The cached plan of one input layout: what :class:`KTRegroupAsDict` swaps in.
 
@@ -141,6 +171,8 @@ class RegroupPlanModule(torch.nn.Module):
     DistributedModelParallel's device moves, and stay out of ``state_dict``). Nothing
     changes it after construction except :meth:`set_device`.
     """
+
+    __jit_ignored_attributes__ = ["_host"]
 
     in_keys: List[List[str]]
     in_lengths: List[List[int]]
@@ -163,15 +195,8 @@ class RegroupPlanModule(torch.nn.Module):
         permutes = torch.empty(0, 6, dtype=torch.int32)
         in_shapes = out_shapes = torch.empty(0, dtype=torch.int32)
         if keyed_tensors is not None and groups is not None:
-            if len(keyed_tensors) == 0:
-                raise ValueError("KTRegroupAsDict: keyed_tensors is empty")
+            _check_inputs(keyed_tensors)
             self.key_dim = keyed_tensors[0].key_dim()
-            for i, kt in enumerate(keyed_tensors):
-                if kt.key_dim() != self.key_dim:
-                    raise ValueError(
-                        f"KTRegroupAsDict: all inputs must have the same key_dim; input {i} "
-                        f"has key_dim {kt.key_dim()}, input 0 has {self.key_dim}"
-                    )
             self.in_keys = [list(kt.keys()) for kt in keyed_tensors]
             self.in_lengths = [list(kt.length_per_key()) for kt in keyed_tensors]
             plan = get_plan(self.in_keys, self.in_lengths, groups)  # layout errors
@@ -181,18 +206,32 @@ class RegroupPlanModule(torch.nn.Module):
                     self.views = [[-1, 0, 0] if s is None else list(s) for s in specs]
                     plan = plan.restricted([j for j, s in enumerate(specs) if s is None])
             self.out_lengths = list(plan.out_lengths)
-            device = keyed_tensors[0].values().device
-            # Clones: the module's buffers are its own, whatever is done to them.
-            permutes, in_shapes, out_shapes = (t.clone() for t in plan.coalesced_tensors(device))
-        self.register_buffer("_permutes", permutes, persistent=False)
-        self.register_buffer("_in_shapes", in_shapes, persistent=False)
-        self.register_buffer("_out_shapes", out_shapes, persistent=False)
+            permutes, in_shapes, out_shapes = plan.coalesced_tensors()
+        # The truth on the host, for _apply; the buffers follow the module's device.
+        self._host = (permutes, in_shapes, out_shapes)
+        device = torch.device("cpu") if keyed_tensors is None else keyed_tensors[0].values().device
+        self.register_buffer("_permutes", permutes.to(device, copy=True), persistent=False)
+        self.register_buffer("_in_shapes", in_shapes.to(device, copy=True), persistent=False)
+        self.register_buffer("_out_shapes", out_shapes.to(device, copy=True), persistent=False)
 
     def matches(self, keyed_tensors: List[KeyedTensor]) -> bool:
-        """Whether ``keyed_tensors`` have the keys and widths this plan was built for."""
-        return len(self.in_keys) > 0 and _layout_matches(
+        """Whether this plan serves ``keyed_tensors``: the keys and widths it was built
+        for, and buffers that hold values (not meta) wherever the data is."""
+        if len(self.in_keys) == 0 or not _layout_matches(
             keyed_tensors, self.in_keys, self.in_lengths, self.key_dim
-        )
+        ):
+            return False
+        return not self._buffers["_permutes"].is_meta or keyed_tensors[0].values().is_meta
+
+    def _apply(self, fn, recurse=True):
+        # Device moves keep the plan; to_empty() would leave garbage in its buffers: the
+        # moved buffers are rebuilt from the host copy wherever their values differ.
+        super()._apply(fn, recurse)
+        for name, host in zip(("_permutes", "_in_shapes", "_out_shapes"), self._host):
+            buf = self._buffers[name]
+            if not buf.is_meta and not torch.equal(buf.cpu(), host):
+                self._buffers[name] = host.to(buf.device, copy=True)
+        return self
 
     @torch.jit.export
     def set_device(self, device: str) -> None:
@@ -270,8 +309,11 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         """Builds the plan for this layout and swaps it in (one assignment)."""
         plan = RegroupPlanModule(keyed_tensors, self._groups, self._allow_views)
         old = self._modules["_plan"]
+        changed = len(old.in_keys) > 0 and (
+            old.in_keys != plan.in_keys or old.in_lengths != plan.in_lengths
+        )
         # dynamo cannot trace a logger call; the rebuild happens either way.
-        if len(old.in_keys) > 0 and not self._stale_warned and not torch.compiler.is_compiling():
+        if changed and not self._stale_warned and not torch.compiler.is_compiling():
             logger.warning(
                 "KTRegroupAsDict(keys=%s): the inputs' keys or widths changed since the plan "
                 "was built; rebuilding it (shown once per module)",
@@ -293,7 +335,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
             if not _is_fx_tracing():
                 # Eager and torch.compile: one read of the plan, rebuilt if it is stale.
                 plan = self._modules["_plan"]
-                if not plan.matches(keyed_tensors):
+                if not isinstance(keyed_tensors, (list, tuple)) or not plan.matches(keyed_tensors):
                     plan = self._build_plan(keyed_tensors)
                 if plan.key_dim != 1:
                     values = _cast(regroup(keyed_tensors, self._groups), self._dtype)

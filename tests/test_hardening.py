@@ -1,0 +1,175 @@
+"""Hardening: one module shared by threads, races in the plan cache, careless calls.
+
+Each test here failed before its fix (issue 8): wrong outputs across threads, a spurious
+KeyError from the plan cache, silently regrouping along the wrong dimension, a plan
+rebuilt on every call for tuple keys, and obscure errors for careless calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import threading
+
+import pytest
+import torch
+from conftest import Layout, assert_same_list, expected_regroup, keyed_tensors, make_values
+from torchrec.sparse.jagged_tensor import KeyedTensor
+
+import kt_regroup
+from kt_regroup import plan as plan_module
+
+KEYS = ["a", "b", "c", "d", "e", "f"]
+WIDTHS = {"a": 64, "b": 128, "c": 32, "d": 96, "e": 128, "f": 64}
+GROUPS = [["c", "a", "f"], ["e", "b", "a", "d"]]
+
+
+def _layout(order):
+    return Layout([list(order[:3]), list(order[3:])], [[WIDTHS[k] for k in order[:3]],
+                  [WIDTHS[k] for k in order[3:]]], GROUPS)
+
+
+def test_one_module_many_threads_different_key_orders():
+    # 8 threads share one module; each has its own key order (so the plan is rebuilt
+    # under the others' feet) and batch size; rows are wide enough (~2 KiB) and batches
+    # large enough for the CPU kernel's parallel path. Every output must be right.
+    # A short switch interval makes threads interleave between any two bytecodes.
+    module = kt_regroup.KTRegroupAsDict(GROUPS, ["x", "y"])
+    orders = [random.Random(t).sample(KEYS, len(KEYS)) for t in range(8)]
+    inputs = []
+    for t in range(8):
+        layout = _layout(orders[t])
+        batches = [64 + 131 * t + 300 * (i % 4) for i in range(4)]  # up to ~1.1k rows
+        values = [make_values(layout, b, seed=t * 10 + i) for i, b in enumerate(batches)]
+        inputs.append([(keyed_tensors(layout, v), expected_regroup(v, layout)) for v in values])
+    failures: list = []
+    start = threading.Barrier(8)
+    threads_before, interval = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(4)
+    sys.setswitchinterval(1e-6)
+
+    def work(t: int) -> None:
+        start.wait()
+        for i in range(150):
+            kts, expected = inputs[t][i % 4]
+            try:
+                out = list(module(kts).values())
+            except Exception as exc:  # noqa: BLE001  (an exception is a failure too)
+                failures.append((t, i, repr(exc)[:200]))
+                continue
+            if not all(torch.equal(g, e) for g, e in zip(out, expected)):
+                failures.append((t, i, "wrong values"))
+
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        torch.set_num_threads(threads_before)
+        sys.setswitchinterval(interval)
+    assert failures == []
+
+
+def test_plan_cache_under_concurrent_eviction(monkeypatch):
+    # Threads that miss at once used to evict the same oldest entry: KeyError.
+    monkeypatch.setattr(plan_module, "MAX_PLANS", 4)
+    errors: list = []
+    start = threading.Barrier(8)
+
+    def work(t: int) -> None:
+        start.wait()
+        try:
+            for i in range(300):
+                widths = [1 + (t + i) % 9, 2]
+                plan = kt_regroup.get_plan([["p", "q"]], [widths], [["q", "p"]])
+                assert plan.out_lengths == (sum(widths),)
+        except Exception as exc:  # noqa: BLE001  (any exception is the failure)
+            errors.append(repr(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert len(plan_module._plans) <= 4
+
+
+def _kt(keys, widths, batch=3, key_dim=1):
+    values = torch.randn(batch, sum(widths)) if key_dim == 1 else torch.randn(sum(widths), batch)
+    return KeyedTensor(keys=keys, length_per_key=widths, values=values, key_dim=key_dim)
+
+
+def test_mixed_key_dim_is_refused_everywhere():
+    kts = [_kt(["a"], [2]), _kt(["b"], [3], key_dim=0)]
+    match = r"same key_dim; input 1 has key_dim 0, input 0 has 1"
+    with pytest.raises(ValueError, match=match):
+        kt_regroup.regroup(kts, [["a", "b"]])
+    with pytest.raises(ValueError, match=match):
+        kt_regroup.KTRegroupAsDict([["a", "b"]], ["x"])(kts)
+    # A module warmed on key_dim=1 inputs sees the change too.
+    module = kt_regroup.KTRegroupAsDict([["a", "b"]], ["x"])
+    module([_kt(["a"], [2]), _kt(["b"], [3])])
+    with pytest.raises(ValueError, match=match):
+        module(kts)
+
+
+def test_tuple_keys_reuse_the_plan(caplog):
+    module = kt_regroup.KTRegroupAsDict([["b", "a"]], ["x"])
+    values = torch.randn(4, 5)
+    kt = KeyedTensor(keys=("a", "b"), length_per_key=(2, 3), values=values)
+    with caplog.at_level(logging.WARNING, logger="kt_regroup.module"):
+        first = module([kt])["x"]
+        plan = module._plan
+        for _ in range(3):
+            again = module([kt])["x"]
+            assert module._plan is plan  # not rebuilt
+    assert "changed" not in caplog.text
+    assert torch.equal(first, again)
+    assert torch.equal(first, torch.cat([values[:, 2:], values[:, :2]], 1))
+
+
+def test_careless_calls_get_clear_errors():
+    module = kt_regroup.KTRegroupAsDict([["a"]], ["x"])
+    kt = _kt(["a", "b"], [1, 2])
+    with pytest.raises(TypeError, match=r"list of KeyedTensors.*got dict"):
+        module({"a": kt})
+    with pytest.raises(TypeError, match=r"list of KeyedTensors.*got KeyedTensor"):
+        module(kt)
+    with pytest.raises(TypeError, match=r"keyed_tensors\[1\] is a Tensor"):
+        module([kt, torch.ones(3, 1)])
+    with pytest.raises(TypeError, match=r"width 2.7, a float"):
+        kt_regroup.RegroupPlan.build([["a"]], [[2.7]], [["a"]])
+    with pytest.raises(TypeError, match=r"width '3', a str"):
+        kt_regroup.RegroupPlan.build([["a"]], [["3"]], [["a"]])
+    p, i, o, _ = kt_regroup.kt_regroup_arguments(torch.empty(0), [["a"]], [[2]], [["a"]])
+    backward = torch.ops.kt_regroup.permute_multi_embedding_backward
+    with pytest.raises(ValueError, match=r"in_lengths\[0\] is negative \(-2\)"):
+        backward([torch.ones(3, 2)], p, i, o, [-2], 3, torch.float32)
+    with pytest.raises(ValueError, match=r"batch_size is negative \(-3\)"):
+        backward([None], p, i, o, [2], -3, torch.float32)
+
+
+def test_module_moved_to_meta_and_back_with_to_empty():
+    # A plan built on meta (meta init), then the module materialised with to_empty():
+    # the plan's buffers would hold garbage; the module must still regroup right.
+    layout = Layout([["a", "b"], ["c"]], [[3, 7], [5]], [["c", "a"], ["b"]])
+    module = kt_regroup.KTRegroupAsDict(layout.groups, ["x", "y"])
+    meta_values = [torch.empty(2, w, device="meta") for w in layout.in_widths]
+    out = module(keyed_tensors(layout, meta_values))
+    assert out["x"].device.type == "meta"
+    values = make_values(layout, 4)
+    assert_same_list(list(module(keyed_tensors(layout, values)).values()),
+                     expected_regroup(values, layout))
+    module.to("meta")
+    module.to_empty(device="cpu")
+    assert_same_list(list(module(keyed_tensors(layout, values)).values()),
+                     expected_regroup(values, layout))
