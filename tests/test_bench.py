@@ -52,7 +52,8 @@ def _load(out_dir):
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("quick")
-    rc = main(["--quick", "--allocator", "default", "--grad", "ones,expanded,randn",
+    rc = main(["--quick", "--allocator", "default", "--layout", "scattered,seed",
+               "--grad", "ones,expanded,randn",
                "--output", str(out), *FAST])
     return rc, str(out)
 

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="layouts of the main tables. seed: keys sent to random groups, each group in "
         "input order (torchrec's benchmark); scattered: the same, each group in random "
         'order; FILE.json: {"keys": [[..]], "lengths": [[..]], "groups": [[..]], '
-        '"batch_size": B}. Default: scattered,seed (CUDA: seed)',
+        '"batch_size": B}. Default: scattered (CUDA: seed)',
     )
     for name, seed_value in (("batch_size", 1024), ("n_dense", 20), ("dim_dense", 64),
                              ("n_sparse", 1000), ("dim_sparse", 128), ("n_groups", 2)):
@@ -116,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--allocator", choices=["both", "default", "thp"], default="both",
                      help=f"CPU allocator settings: 'both' reruns in a subprocess with {THP_ENV}=1")
     run.add_argument("--thp_all", action="store_true",
-                     help="the THP run repeats every layout, gradient and provider (default: "
-                     "the first layout and gradient mode, no FBGEMM rows)")
+                     help="the THP run repeats every layout, gradient, duplicate setting and "
+                     "provider (default: the first layout and gradient mode, no duplicates, no "
+                     "FBGEMM rows)")
     run.add_argument("--no_serving", action="store_true", help="skip the serving table")
     run.add_argument("--output", metavar="DIR", default="bench_results",
                      help="where results.json, results.csv, runtime.png and table.md go")
@@ -178,7 +179,7 @@ def _layouts(args, dtype: torch.dtype, device: torch.device):
     """(layout name, duplicates) -> BenchLayout, in run order."""
     from kt_regroup.bench.layout import layout_from_flags, layout_from_json
 
-    names = args.layout or (["seed"] if device.type == "cuda" else ["scattered", "seed"])
+    names = args.layout or (["seed"] if device.type == "cuda" else ["scattered"])
     sizes = _sizes(args, "quick" if args.preset == "quick" else "seed")
     out = []
     for name in names:
@@ -223,7 +224,7 @@ def _thp_child_args(args) -> List[str]:
     if args.thp_all:
         return []
     return ["--layout", (args.layout or ["scattered"])[0], "--grad", args.grad[0],
-            "--skip", ",".join(_split(args.skip) + ["fbgemm"])]
+            "--duplicates", "false", "--skip", ",".join(_split(args.skip) + ["fbgemm"])]
 
 
 def _run_thp_child(argv: List[str], args, out_dir: str, time_limit_s: float) -> Dict[str, Any]:
@@ -384,13 +385,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         child_meta = {k: child.get(k) for k in ("memory_method", "wall_s", "argv")}
         if not args.thp_all:
             notes.append(f"the {THP_ENV}=1 run repeats the first layout and gradient mode, "
-                         "without the FBGEMM rows (--thp_all repeats everything)")
+                         "without duplicates or FBGEMM rows (--thp_all repeats everything)")
 
     meta: Dict[str, Any] = {
         "versions": _versions(),
         "device": {"type": device.type, "name": device_name},
         "threads": threads,
         "backend": kt_regroup.backend(device),
+        # the compiled library the ops came from (None: portable kernels only)
+        "library": (getattr(kt_regroup, "library_path", None) or (lambda: None))(),
         "memory_method": probe.method,
         "args": vars(args),
         "argv": argv,

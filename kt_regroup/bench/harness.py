@@ -144,10 +144,12 @@ def measure(
     """
     from torch.utils.benchmark import Timer, timer
 
+    wall = timer()
     rec: Dict[str, Any] = {
         "provider": provider.name, "family": provider.family, "samples_s": [], "n": 0,
         "calls_per_sample": None, "warmup": "discarded", "p50_s": float("nan"),
         "p90_s": float("nan"), "mem_peak_bytes": None, "check": "not run", "error": None,
+        "wall_s": None,  # this row's seconds, warmup and check included
     }
     try:
         with context():
@@ -169,9 +171,9 @@ def measure(
                 mem = probe.stop()
                 times, number = m.times, m.number_per_run
     except Exception as e:  # a peer that cannot run here is reported, not fatal
-        rec["error"] = f"{type(e).__name__}: {e}"
+        rec.update(error=f"{type(e).__name__}: {e}", wall_s=timer() - wall)
         return rec
     q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.5, 0.9], dtype=torch.float64))
     rec.update(samples_s=times, n=len(times), calls_per_sample=number, p50_s=q[0].item(),
-               p90_s=q[1].item(), mem_peak_bytes=mem)
+               p90_s=q[1].item(), mem_peak_bytes=mem, wall_s=timer() - wall)
     return rec

@@ -99,6 +99,8 @@ def markdown(records: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
         f"kt_regroup benchmark: {dev['type']} ({dev['name']}), {meta['threads']} threads, "
         f"torch {v['torch']}, fbgemm_gpu {v['fbgemm_gpu']}, torchrec {v['torchrec']}, "
         f"kt_regroup {v['kt_regroup']}",
+        f"kt_regroup backend on {dev['type']}: {meta['backend']}"
+        + (f" ({meta['library']})" if meta.get("library") else ""),
         f"memory: {meta['memory_method']}",
     ]
     tables: Dict[Tuple, List[Dict[str, Any]]] = {}
