@@ -76,6 +76,7 @@ def test_every_cell_and_every_provider_answers_right(quick_run):
     assert data["device"]["type"] == "cpu" and data["device"]["name"]
     assert data["threads"] == torch.get_num_threads()
     assert data["memory_method"]
+    assert len(data["load_average"]) == 2
     records = data["records"]
     main_cells = {(r["layout"], r["mode"], r["grad"], r["duplicates"])
                   for r in records if r["suite"] == "main"}

@@ -246,6 +246,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
+    load_at_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if args.device_type == "cuda" and not torch.cuda.is_available():
         print(
             "kt_regroup.bench: --device_type cuda asked, but this torch "
@@ -391,6 +392,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "versions": _versions(),
         "device": {"type": device.type, "name": device_name},
         "threads": threads,
+        # other jobs on the machine: 1-minute load average when the run started and ended
+        "load_average": [load_at_start, os.getloadavg()[0] if load_at_start is not None else None],
         "backend": kt_regroup.backend(device),
         # the compiled library the ops came from (None: portable kernels only)
         "library": (getattr(kt_regroup, "library_path", None) or (lambda: None))(),

@@ -296,9 +296,11 @@ def _fbgemm_serves(device: torch.device) -> bool:
         return False
     if not (_has_op("fbgemm", "permute_multi_embedding") and _has_op("fbgemm", "regroup_keyed_tensor")):
         return False
+    # FBGEMM registers its device kernels on the inner op (the outer one has CPU, Meta and
+    # Autograd kernels only): a CUDA build has permute_multi_embedding_function on CUDA.
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device.type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "fbgemm::permute_multi_embedding", key
+        "fbgemm::permute_multi_embedding_function", key
     )
 
 

@@ -98,7 +98,9 @@ def markdown(records: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     lines = [
         f"kt_regroup benchmark: {dev['type']} ({dev['name']}), {meta['threads']} threads, "
         f"torch {v['torch']}, fbgemm_gpu {v['fbgemm_gpu']}, torchrec {v['torchrec']}, "
-        f"kt_regroup {v['kt_regroup']}",
+        f"kt_regroup {v['kt_regroup']}"
+        + (", load average {:.1f} at start, {:.1f} at end".format(*meta["load_average"])
+           if None not in meta.get("load_average", [None]) else ""),
         f"kt_regroup backend on {dev['type']}: {meta['backend']}"
         + (f" ({meta['library']})" if meta.get("library") else ""),
         f"memory: {meta['memory_method']}",
