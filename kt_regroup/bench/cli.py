@@ -176,7 +176,7 @@ def _sizes(args, preset: str) -> Dict[str, int]:
 
 
 def _layouts(args, dtype: torch.dtype, device: torch.device):
-    """(layout name, duplicates) -> BenchLayout, in run order."""
+    """The main tables' layouts: each named one in every duplicate setting asked for."""
     from kt_regroup.bench.layout import layout_from_flags, layout_from_json
 
     names = args.layout or (["seed"] if device.type == "cuda" else ["scattered"])
@@ -192,11 +192,10 @@ def _layouts(args, dtype: torch.dtype, device: torch.device):
 
 
 def _serving_layouts(args, dtype: torch.dtype):
-    from kt_regroup.bench.layout import layout_from_flags
+    from kt_regroup.bench.layout import PRESETS, layout_from_flags
 
     # --preset serving: the size flags reshape the serving layout itself
-    sizes = _sizes(args, "serving") if args.preset == "serving" else _sizes(argparse.Namespace(
-        **{k: None for k in _SIZES}), "serving")
+    sizes = _sizes(args, "serving") if args.preset == "serving" else dict(PRESETS["serving"])
     return [layout_from_flags(**sizes, duplicates=d, seed=args.seed, dtype=dtype, name="serving")
             for d in _DUPS[args.duplicates]]
 
