@@ -1,49 +1,46 @@
-"""Timing, memory probes and the round-robin runner.
+"""Timing (``torch.utils.benchmark``) and peak-memory probes.
 
-Providers of one cell are interleaved: round ``r`` runs every provider that still
-needs samples, starting from a different provider each round, so machine drift
-(frequency, other processes) hits all of them alike.
+Each provider of a cell is timed on its own:
 
-Each provider gets a time budget per cell: ``clamp(budget_s / t_warm, min_repeats,
-repeats)`` samples, so a 3-second FBGEMM call gets ``min_repeats`` samples while a
-50-ms copy gets ``repeats``. Slow calls (over ``slow_s``, 1 s) need no separate warmup:
-one-time costs (plan building, lazy init: milliseconds) are under 1% of them, so a
-first call that slow counts as a sample, and a provider that was that slow in an
-earlier cell of this process is not warmed again.
+* **Warmup.** The first call is timed but not counted: it builds plans, fills lazy
+  caches, and its answer is checked against the oracle.
+* **Samples.** ``Timer.blocked_autorange(min_run_time)`` then times calls until they
+  add up to ``min_run_time`` seconds (at least one; its block-size estimate makes one
+  more untimed call). Calls shorter than ``min_run_time / 1000`` are timed in blocks of
+  10^k calls; a sample is then the mean of a block. On CUDA the timer synchronises the
+  device at both ends of a block.
+* **Slow calls (CPU).** A provider whose warmup took ``2 * min_run_time`` or longer is
+  not called again: that call is its one sample (its one-time costs, plan building, are
+  milliseconds, lost in it; the factor 2 keeps one slow warmup of a fast provider from
+  standing for it). ``min_run_time=0`` thus times every CPU provider by one call. On CUDA, where first calls compile and autotune kernels, every provider is
+  warmed and then timed.
+* **Fresh memory, as users pay it.** Every call allocates its outputs (and input
+  gradients) and frees them before the next, as a training step does. Whether those
+  pages come back warm is the allocator's business, as in the user's process: on Linux
+  with glibc, blocks over 32 MiB (the seed's 265 MB outputs) are ``mmap``-ed and
+  unmapped on free, so every call pays its first-touch page faults. ``limit: copy_``
+  shows the same bytes without them.
+* **Memory.** The peak memory in use during the counted calls above the level before
+  them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
 
 from kt_regroup.bench.providers import Cell, Provider
 
 __all__ = [
-    "MemoryProbe",
-    "RssPeakProbe",
     "CudaPeakProbe",
+    "MemoryProbe",
     "NoMemoryProbe",
+    "RssPeakProbe",
     "make_memory_probe",
-    "percentile",
-    "run_cell",
-    "run_serving_cell",
+    "measure",
 ]
-
-
-def percentile(xs: List[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), without numpy."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 # --- memory --------------------------------------------------------------------------------
@@ -63,14 +60,14 @@ class NoMemoryProbe(MemoryProbe):
 
 
 class RssPeakProbe(MemoryProbe):
-    """CPU: how far the process RSS high-water mark rose above the RSS before the call.
+    """CPU: how far the process RSS high-water mark rose above the RSS at ``start``.
 
     Linux resets the high-water mark (VmHWM) to the current RSS when "5" is written to
-    /proc/self/clear_refs; reading VmHWM after the call gives the peak resident memory
-    during it, allocator caches and page faults included.
+    /proc/self/clear_refs; VmHWM read at ``stop`` is the peak resident memory since,
+    allocator caches and page faults included.
     """
 
-    method = "CPU peak RSS growth during the call (VmHWM after - VmRSS before; VmHWM reset via /proc/self/clear_refs)"
+    method = "CPU peak RSS growth (VmHWM after - VmRSS before; VmHWM reset via /proc/self/clear_refs)"
 
     def __init__(self) -> None:
         self._base_kb = 0
@@ -104,7 +101,7 @@ class RssPeakProbe(MemoryProbe):
 
 
 class CudaPeakProbe(MemoryProbe):
-    method = "CUDA torch.cuda.max_memory_allocated() - memory_allocated() before the call"
+    method = "CUDA torch.cuda.max_memory_allocated() - memory_allocated() before"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -131,265 +128,52 @@ def make_memory_probe(device: torch.device) -> MemoryProbe:
 # --- timing --------------------------------------------------------------------------------
 
 
-def _timed(fn: Callable[[], Any], device: torch.device):
-    """(result, seconds) of one call; CUDA events on CUDA, perf_counter on CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        end.record()
-        end.synchronize()
-        return out, start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
-def _check(outs: List[torch.Tensor], expected: List[torch.Tensor]) -> str:
-    if len(outs) != len(expected):
-        return f"mismatch: {len(outs)} outputs, expected {len(expected)}"
-    for i, (o, e) in enumerate(zip(outs, expected)):
-        if o.shape != e.shape or not torch.equal(o.detach(), e):
-            return f"mismatch in group {i}"
-    return "ok"
-
-
-@dataclass(eq=False)
-class _State:
-    provider: Provider
-    fn: Optional[Callable[[], List[torch.Tensor]]] = None
-    times: List[float] = field(default_factory=list)
-    mems: List[int] = field(default_factory=list)
-    estimate: Optional[float] = None
-    target: int = 1
-    check: str = "not run"
-    error: Optional[str] = None
-    warmup: str = "none"  # discarded | counted (first call over slow_s) | skipped
-    cut: bool = False  # stopped early: its next call would not fit before the deadline
-
-
-def _target(estimate: float, budget_s: float, min_repeats: int, repeats: int) -> int:
-    want = math.ceil(budget_s / max(estimate, 1e-9))
-    return max(min(repeats, want), min(min_repeats, repeats))
-
-
-def run_cell(
+def measure(
     cell: Cell,
-    providers: List[Provider],
+    provider: Provider,
     *,
-    repeats: int,
-    min_repeats: int,
-    budget_s: float,
+    min_run_time: float,
     probe: MemoryProbe,
-    slow_history: Dict[str, float],
-    slow_s: float = 1.0,
-    deadline: Optional[float] = None,
-    progress=None,
-) -> List[Dict[str, Any]]:
-    """Times every provider on ``cell``, round-robin; one record per provider.
+    context: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> Dict[str, Any]:
+    """One record: ``provider`` on ``cell``, timed as the module docs say.
 
-    ``deadline`` (a ``time.perf_counter()`` value) bounds the cell: every provider gets
-    one sample, then a provider takes another turn only while its typical call still
-    fits before the deadline, so fast providers keep sampling while slow ones stop. The
-    records say which were cut short (``cut_by_time_limit``).
+    ``context`` wraps every call (e.g. ``torch.inference_mode``). A provider that
+    cannot run here (a peer without a kernel for this device, say) gets its error in
+    the record instead of samples.
     """
-    states = [_State(p) for p in providers if not (cell.backward and p.inference_only)]
-    for st in states:
-        try:
-            st.fn = st.provider.make(cell)
-        except Exception as e:  # a peer that cannot run here is reported, not fatal
-            st.error = f"{type(e).__name__}: {e}"
+    from torch.utils.benchmark import Timer, timer
 
-    def call(st: _State, measure: bool) -> Optional[float]:
-        cell.reset_grads()
-        try:
+    wall = timer()
+    rec: Dict[str, Any] = {
+        "provider": provider.name, "family": provider.family, "samples_s": [], "n": 0,
+        "calls_per_sample": None, "warmup": "discarded", "p50_s": float("nan"),
+        "p90_s": float("nan"), "mem_peak_bytes": None, "check": "not run", "error": None,
+        "wall_s": None,  # this row's seconds, warmup and check included
+    }
+    try:
+        with context():
+            fn = provider.make(cell)
             probe.start()
-            outs, seconds = _timed(st.fn, cell.device)
+            start = timer()  # synchronises the device, as Timer does
+            result = fn()
+            seconds = timer() - start
             mem = probe.stop()
-            if not measure and seconds >= slow_s:
-                measure = True  # a slow first call is a sample too (see module docs)
-                st.warmup = "counted"
-            if st.check == "not run":
-                st.check = _check(outs, cell.expected)
-            del outs
-        except Exception as e:
-            st.error = f"{type(e).__name__}: {e}"
-            return None
-        finally:
-            cell.reset_grads()
-        if measure:
-            st.times.append(seconds)
-            if mem is not None:
-                st.mems.append(mem)
-        return seconds
-
-    live = [st for st in states if st.error is None]
-    # Warm the allocator and the kernel's page supply first (fresh pages, huge pages under
-    # THP_MEM_ALLOC_ENABLE=1), so the first provider does not pay for the process's.
-    for _ in range(2):
-        [t.clone() for t in cell.expected]
-    to_warm = {id(st) for st in live if slow_history.get(st.provider.name, 0.0) < slow_s}
-    if progress is not None:
-        progress.total = (progress.total or 0) + len(to_warm)
-        progress.refresh()
-    # Warmup (the answer is checked on each provider's first call, warmup or not).
-    for st in live:
-        if id(st) not in to_warm:
-            st.target = min(min_repeats, repeats)
-            st.warmup = "skipped"
-            continue
-        st.warmup = "discarded"
-        st.estimate = call(st, measure=False)
-        if progress is not None:
-            progress.update(1)
-        if st.estimate is not None:
-            st.target = _target(st.estimate, budget_s, min_repeats, repeats)
-    if progress is not None:
-        progress.total = (progress.total or 0) + sum(st.target for st in live if st.error is None)
-        progress.refresh()
-
-    r = 0
-    cut = False
-    while True:
-        pending = [
-            st for st in live if st.error is None and not st.cut and len(st.times) < st.target
-        ]
-        if not pending:
-            break
-        if r > 0 and deadline is not None and time.perf_counter() > deadline:
-            cut = True
-            break
-        shift = r % len(live)
-        for st in live[shift:] + live[:shift]:
-            if st.error is not None or st.cut or len(st.times) >= st.target:
-                continue
-            if deadline is not None and st.times:
-                # Another turn only if the call fits this provider's fair share of the
-                # time left: slow providers stop at one sample, fast ones keep going.
-                left = deadline - time.perf_counter()
-                if percentile(st.times, 50) > left / len(pending):
-                    st.cut = True
-                    if progress is not None:
-                        progress.total -= st.target - len(st.times)
-                    continue
-            seconds = call(st, measure=True)
-            if progress is not None:
-                progress.update(1)
-            if seconds is not None:
-                # the plan follows the typical call, not one slow (first) call
-                st.estimate = percentile(st.times, 50)
-                new = max(len(st.times), _target(st.estimate, budget_s, min_repeats, repeats))
-                if progress is not None and new != st.target:
-                    progress.total += new - st.target
-                    progress.refresh()
-                st.target = new
-        r += 1
-
-    records = []
-    for st in states:
-        if st.times:
-            slow_history[st.provider.name] = max(st.times)
-        records.append(
-            {
-                "provider": st.provider.name,
-                "family": st.provider.family,
-                "samples_s": st.times,
-                "n": len(st.times),
-                "warmup": st.warmup,
-                "p50_s": percentile(st.times, 50),
-                "p90_s": percentile(st.times, 90),
-                "mem_samples_bytes": st.mems,
-                "mem_p90_bytes": percentile([float(m) for m in st.mems], 90) if st.mems else None,
-                "check": st.check,
-                "error": st.error,
-                "target_n": st.target,
-                "cut_by_time_limit": st.cut or (cut and st.error is None and len(st.times) < st.target),
-            }
-        )
-    if progress is not None and cut:
-        progress.total -= sum(
-            max(0, st.target - len(st.times)) for st in live if st.error is None and not st.cut
-        )
-        progress.refresh()
-    return records
-
-
-def run_serving_cell(
-    cell: Cell,
-    providers: List[Provider],
-    *,
-    grad_mode: str,
-    repeats: int,
-    sample_s: float,
-    progress=None,
-) -> List[Dict[str, Any]]:
-    """Per-call time of a warm provider, many calls per timed sample.
-
-    ``grad_mode`` is ``inference_mode`` (everything under ``torch.inference_mode()``)
-    or ``autograd`` (inputs require grad, grad mode on, forward only).
-    """
-
-    def ctx():
-        if grad_mode == "inference_mode":
-            return torch.inference_mode()
-        return contextlib.nullcontext()
-
-    states = [
-        _State(p) for p in providers if not (grad_mode == "autograd" and p.inference_only)
-    ]
-    for st in states:
-        try:
-            with ctx():
-                st.fn = st.provider.make(cell)
-                outs = None
-                for _ in range(3):  # warm: plan built, caches filled
-                    outs = st.fn()
-                st.check = _check(outs, cell.expected)
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    st.fn()
-                per_call = (time.perf_counter() - t0) / 10
-            st.target = max(1, min(100_000, math.ceil(sample_s / max(per_call, 1e-7))))
-        except Exception as e:
-            st.error = f"{type(e).__name__}: {e}"
-    live = [st for st in states if st.error is None]
-    if progress is not None:
-        progress.total = (progress.total or 0) + repeats * len(live)
-        progress.refresh()
-    for r in range(repeats):
-        shift = r % max(1, len(live))
-        for st in live[shift:] + live[:shift]:
-            if st.error is not None:
-                continue
-            fn, number = st.fn, st.target
-            try:
-                with ctx():
-                    if cell.device.type == "cuda":
-                        torch.cuda.synchronize(cell.device)
-                    t0 = time.perf_counter()
-                    for _ in range(number):
-                        fn()
-                    if cell.device.type == "cuda":
-                        torch.cuda.synchronize(cell.device)
-                    st.times.append((time.perf_counter() - t0) / number)
-            except Exception as e:
-                st.error = f"{type(e).__name__}: {e}"
-            if progress is not None:
-                progress.update(1)
-    return [
-        {
-            "provider": st.provider.name,
-            "family": st.provider.family,
-            "samples_s": st.times,
-            "n": len(st.times),
-            "calls_per_sample": st.target if st.error is None else None,
-            "p50_s": percentile(st.times, 50),
-            "p90_s": percentile(st.times, 90),
-            "mem_samples_bytes": [],
-            "mem_p90_bytes": None,
-            "check": st.check,
-            "error": st.error,
-        }
-        for st in states
-    ]
+            rec["check"] = cell.check(result)
+            del result
+            if seconds >= 2 * min_run_time and cell.device.type == "cpu":
+                times, number = [seconds], 1
+                rec["warmup"] = "counted"
+            else:
+                probe.start()
+                m = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(),
+                          description=provider.name).blocked_autorange(min_run_time=min_run_time)
+                mem = probe.stop()
+                times, number = m.times, m.number_per_run
+    except Exception as e:  # a peer that cannot run here is reported, not fatal
+        rec.update(error=f"{type(e).__name__}: {e}", wall_s=timer() - wall)
+        return rec
+    q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.5, 0.9], dtype=torch.float64))
+    rec.update(samples_s=times, n=len(times), calls_per_sample=number, p50_s=q[0].item(),
+               p90_s=q[1].item(), mem_peak_bytes=mem, wall_s=timer() - wall)
+    return rec

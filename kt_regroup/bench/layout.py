@@ -1,9 +1,20 @@
 """Benchmark layouts: which keys, of which widths, in which inputs and groups.
 
-A :class:`BenchLayout` is built from torchrec-style flags (one dense and one sparse
-``KeyedTensor``, keys allocated to groups at random, ``duplicates`` appending one random
-key per group, as torchrec's benchmark utilities do), from a preset, or from a JSON
-file a user brings::
+A :class:`BenchLayout` is built from torchrec-style sizes (one dense and one sparse
+``KeyedTensor``) and an allocation of keys to groups, or from a JSON file a user brings.
+
+Allocations (:data:`ALLOCATIONS`), both seeded:
+
+* ``seed``: each key goes to a random group and groups keep the input order of their
+  keys, as torchrec's benchmark utilities (and the seed's numbers) do. Neighbouring keys
+  of one group are often neighbours in the input too, so about half of the group entries
+  merge into longer contiguous segments.
+* ``scattered``: the same random allocation, then each group lists its keys in a random
+  order, as a model that groups features by meaning does: almost every key is a
+  segment of its own.
+
+``duplicates`` appends one random key to each group (torchrec's ``build_groups``). The
+JSON form::
 
     {"keys": [["a", "b"], ["c"]], "lengths": [[4, 8], [16]],
      "groups": [["c", "a"], ["b"]], "batch_size": 512}
@@ -18,9 +29,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["BenchLayout", "PRESETS", "layout_from_flags", "layout_from_json"]
+__all__ = ["ALLOCATIONS", "BenchLayout", "PRESETS", "layout_from_flags", "layout_from_json"]
 
-# name -> (batch_size, n_dense, dim_dense, n_sparse, dim_sparse, n_groups)
+ALLOCATIONS = ("seed", "scattered")
+
+# sizes: name -> (batch_size, n_dense, dim_dense, n_sparse, dim_sparse, n_groups)
 PRESETS: Dict[str, Dict[str, int]] = {
     # The seed's layout (torchrec PR #2128 / FBGEMM #2772): F = 1020 keys.
     "seed": dict(batch_size=1024, n_dense=20, dim_dense=64, n_sparse=1000, dim_sparse=128, n_groups=2),
@@ -75,6 +88,27 @@ class BenchLayout:
         flat = [k for g in self.groups for k in g]
         return len(flat) != len(set(flat))
 
+    @property
+    def segments(self) -> int:
+        """Contiguous copies a regroup needs: runs of group entries that are also
+        neighbours, in the same order, in one input."""
+        where = {}
+        for t, (ks, ws) in enumerate(zip(self.keys, self.lengths)):
+            off = 0
+            for k, w in zip(ks, ws):
+                where[k] = (t, off, w)
+                off += w
+        n = 0
+        for group in self.groups:
+            end = None
+            for key in group:
+                t, off, w = where[key]
+                if w and end != (t, off):
+                    n += 1
+                if w:
+                    end = (t, off + w)
+        return n
+
     def describe(self) -> Dict[str, Any]:
         return {
             "name": self.name,
@@ -82,6 +116,8 @@ class BenchLayout:
             "n_features": self.n_features,
             "n_inputs": len(self.keys),
             "n_groups": len(self.groups),
+            "group_entries": sum(len(g) for g in self.groups),
+            "segments": self.segments,
             "duplicates": self.has_duplicates,
             "dtype": str(self.dtype).replace("torch.", ""),
             "in_width": self.in_width,
@@ -109,8 +145,9 @@ class BenchLayout:
         return kts
 
 
-def _torchrec_style_groups(
-    all_keys: Sequence[str], n_groups: int, duplicates: bool, rng: random.Random
+def _random_groups(
+    all_keys: Sequence[str], n_groups: int, duplicates: bool, rng: random.Random,
+    scattered: bool = False,
 ) -> List[List[str]]:
     # Random allocation of every key to a group; redrawn until no group is empty.
     while True:
@@ -120,6 +157,11 @@ def _torchrec_style_groups(
             groups[g].append(key)
         if all(groups) or len(all_keys) < n_groups:
             break
+    if scattered:
+        # One draw either way, so the duplicated layout stays the plain one + one key per group.
+        order = random.Random(rng.getrandbits(64))
+        for group in groups:
+            order.shuffle(group)
     if duplicates:
         for group in groups:
             group.append(rng.choice(list(all_keys)))
@@ -136,13 +178,17 @@ def layout_from_flags(
     duplicates: bool,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
-    name: str = "flags",
+    name: Optional[str] = None,
+    allocation: str = "seed",
 ) -> BenchLayout:
     """torchrec's benchmark layout: a dense and a sparse ``KeyedTensor``, random groups.
 
-    The allocation depends only on ``seed``, so the duplicated layout is the
-    non-duplicated one plus one extra key per group.
+    ``allocation`` is ``seed`` or ``scattered`` (module docs). Groups depend only on
+    ``seed`` and ``allocation``: the duplicated layout is the non-duplicated one plus
+    one extra key per group.
     """
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
     if n_groups < 1:
         raise ValueError(f"--n_groups must be >= 1, got {n_groups}")
     if n_dense + n_sparse < 1:
@@ -156,8 +202,9 @@ def layout_from_flags(
         keys.append([f"sparse_{i}" for i in range(n_sparse)])
         lengths.append([dim_sparse] * n_sparse)
     all_keys = [k for ks in keys for k in ks]
-    groups = _torchrec_style_groups(all_keys, n_groups, duplicates, random.Random(seed))
-    return BenchLayout(keys, lengths, groups, batch_size, name, duplicates, dtype)
+    groups = _random_groups(all_keys, n_groups, duplicates, random.Random(seed),
+                            scattered=allocation == "scattered")
+    return BenchLayout(keys, lengths, groups, batch_size, name or allocation, duplicates, dtype)
 
 
 def layout_from_json(
@@ -173,7 +220,7 @@ def layout_from_json(
     missing = [k for k in ("keys", "lengths", "groups") if k not in spec]
     if missing:
         raise ValueError(f"{path}: layout file lacks {missing}; expected keys, lengths, groups")
-    from kt_regroup.plan import RegroupPlan
+    from kt_regroup import RegroupPlan
 
     RegroupPlan.build(spec["keys"], spec["lengths"], spec["groups"])  # raises with a reason
     bs = batch_size if batch_size is not None else int(spec.get("batch_size", 1024))
