@@ -1,5 +1,5 @@
 # Two entry points; each one sets up ./.venv first (see scripts/setup_env.sh).
-#   make bench   - the regroup benchmark (seed layout, CPU), table on stdout
+#   make bench   - the regroup benchmark (scattered seed-size layout, CPU), tables on stdout
 #   make test    - the test suite
 .PHONY: bench test setup
 BENCH_ARGS ?=
