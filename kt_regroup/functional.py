@@ -61,6 +61,18 @@ def regroup(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[t
     lengths = [kt.length_per_key() for kt in keyed_tensors]
     if key_dim != 1:
         return _regroup_along(values, keys, lengths, groups, key_dim)
+    dtype = values[0].dtype
+    for v in values:
+        dtype = torch.promote_types(dtype, v.dtype)
+    for v in values:
+        if v.dtype != dtype:
+            # Mixed dtypes promote, as torchrec's torch.cat does; the cast is in the copy.
+            permutes, in_shapes, out_shapes, out_lengths = (
+                torch.ops.kt_regroup.kt_regroup_arguments(values[0], keys, lengths, groups)
+            )
+            return torch.ops.kt_regroup.permute_multi_embedding_to(
+                values, permutes, in_shapes, out_shapes, out_lengths, dtype
+            )
     return torch.ops.kt_regroup.regroup_keyed_tensor(values, keys, lengths, groups)
 
 

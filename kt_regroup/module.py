@@ -308,6 +308,12 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
     def _build_plan(self, keyed_tensors: List[KeyedTensor]) -> RegroupPlanModule:
         """Builds the plan for this layout and swaps it in (one assignment)."""
         plan = RegroupPlanModule(keyed_tensors, self._groups, self._allow_views)
+        dtypes = {kt.values().dtype for kt in keyed_tensors}
+        if len(dtypes) > 1 and self._dtype is None:
+            raise TypeError(
+                f"KTRegroupAsDict: the inputs have dtypes {sorted(str(d) for d in dtypes)}; "
+                "set emb_dtype to regroup them into one dtype (the cast is fused into the copy)"
+            )
         old = self._modules["_plan"]
         changed = len(old.in_keys) > 0 and (
             old.in_keys != plan.in_keys or old.in_lengths != plan.in_lengths

@@ -30,6 +30,7 @@ Ops (FBGEMM's schemas where FBGEMM has the op)::
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from pathlib import Path
@@ -192,7 +193,8 @@ class _Permute(torch.autograd.Function):
         ctx.plan_tensors = (permutes, in_shapes, out_shapes)
         ctx.in_lengths = [t.size(1) for t in pooled_embs]
         ctx.batch_size = pooled_embs[0].size(0) if pooled_embs else 0
-        ctx.dtype = pooled_embs[0].dtype if pooled_embs else None
+        # Gradients in the widest input dtype; autograd casts each to its input's dtype.
+        ctx.dtype = functools.reduce(torch.promote_types, (t.dtype for t in pooled_embs)) if pooled_embs else None
         with torch._C._AutoDispatchBelowAutograd():
             if cast:
                 return tuple(torch.ops.kt_regroup.permute_multi_embedding_to(
@@ -297,7 +299,7 @@ def _(pooled_embs, permutes, in_shapes, out_shapes, out_lengths):
 @torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_to")
 def _permute_to_fake(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype=None):
     check_structure("permute_multi_embedding", "pooled_embs", pooled_embs, permutes, in_shapes,
-                    out_shapes, len(pooled_embs), out_lengths)
+                    out_shapes, len(pooled_embs), out_lengths, same_dtype=dtype is None)
     first = pooled_embs[0]
     return [first.new_empty(first.size(0), n, dtype=dtype or first.dtype) for n in out_lengths]
 

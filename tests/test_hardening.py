@@ -5,8 +5,6 @@ KeyError from the plan cache, silently regrouping along the wrong dimension, a p
 rebuilt on every call for tuple keys, and obscure errors for careless calls.
 """
 
-from __future__ import annotations
-
 import logging
 import random
 import sys
@@ -173,3 +171,91 @@ def test_module_moved_to_meta_and_back_with_to_empty():
     module.to_empty(device="cpu")
     assert_same_list(list(module(keyed_tensors(layout, values)).values()),
                      expected_regroup(values, layout))
+
+
+# --- mixed input dtypes (issue 9): quantized embeddings next to fp32 dense features ------
+
+
+def _mixed_inputs(batch=5):
+    dense = KeyedTensor(keys=["d0", "d1"], length_per_key=[3, 4],
+                        values=torch.randn(batch, 7, dtype=torch.float64).float())
+    fp16 = KeyedTensor(keys=["s0", "s1"], length_per_key=[8, 2],
+                       values=torch.randn(batch, 10, dtype=torch.float64).half())
+    bf16 = KeyedTensor(keys=["s2"], length_per_key=[6],
+                       values=torch.randn(batch, 6, dtype=torch.float64).bfloat16())
+    return [dense, fp16, bf16]
+
+
+MIXED_GROUPS = [["s1", "d0", "s2", "s1"], ["d1", "s0"]]
+
+
+def _mixed_expected(kts, dtype):
+    blocks = {k: v.to(dtype) for kt in kts for k, v in kt.to_dict().items()}
+    return [torch.cat([blocks[k] for k in g], 1) for g in MIXED_GROUPS]
+
+
+@pytest.mark.parametrize("emb_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_module_with_emb_dtype_casts_mixed_inputs_in_the_copy(emb_dtype):
+    from torchrec.modules.embedding_configs import dtype_to_data_type
+    from torchrec.modules.regroup import KTRegroupAsDict as TorchrecKTRegroupAsDict
+
+    kts = _mixed_inputs()
+    ours = kt_regroup.KTRegroupAsDict(MIXED_GROUPS, ["x", "y"], emb_dtype=emb_dtype)(kts)
+    theirs = TorchrecKTRegroupAsDict(
+        MIXED_GROUPS, ["x", "y"], emb_dtype=dtype_to_data_type(emb_dtype)
+    )(kts)
+    assert_same_list(list(ours.values()), _mixed_expected(kts, emb_dtype))
+    assert_same_list(list(ours.values()), list(theirs.values()))
+
+
+def test_mixed_inputs_gradients_come_back_in_each_inputs_dtype():
+    kts = _mixed_inputs()
+    leaves = [kt.values().detach().requires_grad_() for kt in kts]
+    kts = [KeyedTensor(kt.keys(), kt.length_per_key(), v) for kt, v in zip(kts, leaves)]
+    out = kt_regroup.KTRegroupAsDict(MIXED_GROUPS, ["x", "y"], emb_dtype=torch.float32)(kts)
+    (out["x"].sum() + 2 * out["y"].sum()).backward()
+    assert [v.grad.dtype for v in leaves] == [torch.float32, torch.float16, torch.bfloat16]
+    # s1 (fp16 input 1, columns 8:10) is used twice in group x; s0 once in y (weight 2).
+    assert torch.equal(leaves[1].grad[:, 8:], torch.full((5, 2), 2.0, dtype=torch.float16))
+    assert torch.equal(leaves[1].grad[:, :8], torch.full((5, 8), 2.0, dtype=torch.float16))
+
+
+def test_mixed_inputs_without_emb_dtype():
+    kts = _mixed_inputs()
+    # torchrec's KeyedTensor.regroup promotes (torch.cat): so does kt_regroup.regroup.
+    promoted = KeyedTensor.regroup(kts, MIXED_GROUPS)
+    ours = kt_regroup.regroup(kts, MIXED_GROUPS)
+    assert [o.dtype for o in ours] == [torch.float32, torch.float32]
+    assert_same_list(ours, promoted)
+    # torchrec's module refuses them (a dtype error from FBGEMM): ours says what to do.
+    with pytest.raises(TypeError, match=r"set emb_dtype"):
+        kt_regroup.KTRegroupAsDict(MIXED_GROUPS, ["x", "y"])(kts)
+
+
+def test_mixed_inputs_through_fx_script_and_export():
+    import torchrec.fx
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.regroup = kt_regroup.KTRegroupAsDict(MIXED_GROUPS, ["x", "y"], emb_dtype=torch.float32)
+
+        def forward(self, dense: torch.Tensor, fp16: torch.Tensor, bf16: torch.Tensor):
+            kts = [
+                KeyedTensor(keys=["d0", "d1"], length_per_key=[3, 4], values=dense),
+                KeyedTensor(keys=["s0", "s1"], length_per_key=[8, 2], values=fp16),
+                KeyedTensor(keys=["s2"], length_per_key=[6], values=bf16),
+            ]
+            out = self.regroup(kts)
+            return out["x"], out["y"]
+
+    kts = _mixed_inputs(batch=6)
+    args = tuple(kt.values() for kt in kts)
+    model = Model()
+    expected = _mixed_expected(kts, torch.float32)
+    assert_same_list(list(model(*args)), expected)
+    scripted = torch.jit.script(torchrec.fx.symbolic_trace(model))
+    assert_same_list(list(scripted(*args)), expected)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    program = torch.export.export(model, args, dynamic_shapes=({0: batch},) * 3)
+    assert_same_list(list(program.module()(*args)), expected)

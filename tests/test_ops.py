@@ -460,7 +460,7 @@ def test_forced_reference_backend_passes_op_and_autograd_tests(tmp_path):
     select = (
         "opcheck or gradcheck or backward or gradients or compile_fullgraph or backend_reports"
         " or test_permute_multi_embedding_parity or inference_mode or plan_cache"
-        " or distinct_layouts or equals_torchrec"
+        " or distinct_layouts or equals_torchrec or mixed"
     )
     proc = subprocess.run(
         [
@@ -486,3 +486,25 @@ def test_forced_reference_backend_passes_op_and_autograd_tests(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+def test_fused_cast_of_mixed_input_dtypes(dtype):
+    # Each input cast in the copy, whatever its dtype and position (the byte copy of an
+    # input that already has the output dtype must use that dtype's element size).
+    layout = LAYOUTS["seed1"]
+    mixed = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+    values = [v.to(mixed[i % 4]) for i, v in enumerate(make_values(layout, 6, torch.float64))]
+    before = clone_all(values)
+    for kind in ("torchrec", "coalesced"):
+        args = _args(kind, values, layout)
+        got = torch.ops.kt_regroup.permute_multi_embedding_to(values, *args, dtype)
+        expected = expected_regroup([v.to(dtype) for v in values], layout)
+        assert_same_list(got, expected)
+    assert_same_list(values, before)
+    leaves = [v.detach().requires_grad_() for v in values]
+    outs = torch.ops.kt_regroup.permute_multi_embedding_to(leaves, *args, dtype)
+    sum(o.double().sum() for o in outs).backward()
+    assert [v.grad.dtype for v in leaves] == [v.dtype for v in values]
+    with pytest.raises(TypeError, match=r"pooled_embs\[1\] is .* one dtype"):
+        torch.ops.kt_regroup.permute_multi_embedding_to(values, *args)  # no dtype: no cast

@@ -116,7 +116,11 @@ class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
       const at::Tensor& first = pooled_embs[0];
       ctx->saved_data["in_lengths"] = c10::IValue(c10::SymIntArrayRef(in_lengths));
       ctx->saved_data["batch_size"] = first.dim() > 0 ? first.sym_size(0) : c10::SymInt(0);
-      ctx->saved_data["dtype"] = first.scalar_type();
+      // Gradients in the widest input dtype; autograd casts each to its input's dtype
+      // (inputs differ in dtype only for the fused cast).
+      c10::ScalarType grad_dtype = first.scalar_type();
+      for (const at::Tensor& t : pooled_embs) grad_dtype = c10::promoteTypes(grad_dtype, t.scalar_type());
+      ctx->saved_data["dtype"] = grad_dtype;
       save_metadata(ctx, permutes, in_shapes, out_shapes);
     }
     at::AutoDispatchBelowADInplaceOrView guard;

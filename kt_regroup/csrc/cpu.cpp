@@ -129,7 +129,9 @@ void permute_forward_into(
     at::TensorList outs) {
   const int64_t batch = pooled_embs[0].size(0);
   if (batch == 0 || segments.empty()) return;
-  const int64_t es = pooled_embs[0].element_size();
+  // A byte copy: the segments' inputs have the outputs' dtype (the fused cast sends
+  // other inputs to permute_convert_into).
+  const int64_t es = outs[segments[0].out_t].element_size();
 
   std::vector<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
   for (at::Tensor& t : inputs) t = rows_readable(t);
@@ -200,36 +202,51 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype) {
+  // With a dtype, inputs may differ in dtype (fp16/bf16 embeddings next to fp32 dense
+  // features): each is cast in the copy.
   const std::vector<Segment> segments = check_forward(
-      "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+      "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
+      /*same_dtype=*/!dtype.has_value());
   const at::Tensor& first = pooled_embs[0];
-  const c10::ScalarType in_dtype = first.scalar_type();
-  const c10::ScalarType out_dtype = dtype.value_or(in_dtype);
-  auto is_float = [](c10::ScalarType t) {
-    return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-  };
-  const bool fused = in_dtype == out_dtype || (is_float(in_dtype) && is_float(out_dtype));
+  const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
   const int64_t batch = first.size(0);
   const bool tiled = segments_tile_outputs(segments, out_lengths);
-  const auto options = first.options().dtype(fused ? out_dtype : in_dtype);
+  const auto options = first.options().dtype(out_dtype);
   std::vector<at::Tensor> outs;
   outs.reserve(out_lengths.size());
   for (int64_t n : out_lengths) {
     outs.push_back(tiled ? at::empty({batch, n}, options) : at::zeros({batch, n}, options));
   }
-  if (in_dtype == out_dtype) {
-    permute_forward_into(pooled_embs, segments, outs);
-  } else if (fused) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in_dtype, "kt_regroup_to", [&] {
-      using src_t = scalar_t;
-      AT_DISPATCH_FLOATING_TYPES_AND2(
-          at::kHalf, at::kBFloat16, out_dtype, "kt_regroup_to", [&] {
-            permute_convert_into<src_t, scalar_t>(pooled_embs, segments, outs);
-          });
+  auto is_float = [](c10::ScalarType t) {
+    return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+  };
+  // One pass per input dtype, over the segments that read inputs of that dtype.
+  std::vector<std::pair<c10::ScalarType, std::vector<Segment>>> passes;
+  for (const Segment& s : segments) {
+    const c10::ScalarType in_dtype = pooled_embs[s.in_t].scalar_type();
+    auto it = std::find_if(passes.begin(), passes.end(), [&](const auto& p) {
+      return p.first == in_dtype;
     });
-  } else {  // integer / complex casts: copy, then let ATen cast
-    permute_forward_into(pooled_embs, segments, outs);
-    for (at::Tensor& t : outs) t = t.to(out_dtype);
+    if (it == passes.end()) it = passes.insert(passes.end(), {in_dtype, {}});
+    it->second.push_back(s);
+  }
+  for (const auto& [in_dtype, segs] : passes) {
+    if (in_dtype == out_dtype) {
+      permute_forward_into(pooled_embs, segs, outs);
+    } else if (is_float(in_dtype) && is_float(out_dtype)) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in_dtype, "kt_regroup_to", [&] {
+        using src_t = scalar_t;
+        AT_DISPATCH_FLOATING_TYPES_AND2(
+            at::kHalf, at::kBFloat16, out_dtype, "kt_regroup_to", [&] {
+              permute_convert_into<src_t, scalar_t>(pooled_embs, segs, outs);
+            });
+      });
+    } else {  // integer / complex casts: ATen's copy_ casts
+      for (const Segment& s : segs) {
+        outs[s.out_t].narrow(1, s.out_off, s.length).copy_(
+            pooled_embs[s.in_t].narrow(1, s.in_off, s.length));
+      }
+    }
   }
   return outs;
 }

@@ -32,14 +32,16 @@ using TensorPtrs = std::vector<const at::Tensor*>;
 
 // Checks a forward call (inputs, metadata, widths, every permute row) and returns its
 // rows as segments, adjacent contiguous rows merged and empty rows dropped. Nothing is
-// read or written by a kernel before this returns.
+// read or written by a kernel before this returns. `same_dtype`: all inputs share one
+// dtype (false only for the fused cast, which casts each input).
 std::vector<Segment> check_forward(
     const char* op,
     at::TensorList pooled_embs,
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths);
+    c10::IntArrayRef out_lengths,
+    bool same_dtype = true);
 
 // The same for a backward call; `grads` may hold nullptr (None: zeros).
 std::vector<Segment> check_backward(

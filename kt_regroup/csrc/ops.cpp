@@ -35,7 +35,11 @@ std::string shape_str(c10::IntArrayRef shape) {
   return s.str();
 }
 
-void check_tensor_list(const char* op, const char* name, const TensorPtrs& tensors) {
+void check_tensor_list(
+    const char* op,
+    const char* name,
+    const TensorPtrs& tensors,
+    bool same_dtype = true) {
   const auto first_it = std::find_if(
       tensors.begin(), tensors.end(), [](const at::Tensor* t) { return t != nullptr; });
   TORCH_CHECK_VALUE(first_it != tensors.end(), "kt_regroup.", op, ": ", name, " is empty");
@@ -52,9 +56,9 @@ void check_tensor_list(const char* op, const char* name, const TensorPtrs& tenso
         t.device(), " but ", name, "[", i0, "] is on ", first.device(),
         "; all must be on one device");
     TORCH_CHECK_TYPE(
-        t.scalar_type() == first.scalar_type(), "kt_regroup.", op, ": ", name, "[", i,
+        !same_dtype || t.scalar_type() == first.scalar_type(), "kt_regroup.", op, ": ", name, "[", i,
         "] is ", t.scalar_type(), " but ", name, "[", i0, "] is ", first.scalar_type(),
-        "; all must have one dtype");
+        "; all must have one dtype (permute_multi_embedding_to with a dtype casts mixed inputs)");
     TORCH_CHECK_VALUE(
         t.size(0) == first.size(0), "kt_regroup.", op, ": ", name, "[", i,
         "] has batch size ", t.size(0), " but ", name, "[", i0, "] has ", first.size(0),
@@ -180,10 +184,11 @@ std::vector<Segment> check_forward(
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths) {
+    c10::IntArrayRef out_lengths,
+    bool same_dtype) {
   TensorPtrs ptrs;
   for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
-  check_tensor_list(op, "pooled_embs", ptrs);
+  check_tensor_list(op, "pooled_embs", ptrs, same_dtype);
   check_metadata(
       op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size(),
       pooled_embs[0].device());

@@ -43,7 +43,8 @@ std::vector<at::Tensor> permute_multi_embedding_to(
     c10::IntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype) {
   const std::vector<Segment> segments = check_forward(
-      "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+      "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
+      /*same_dtype=*/!dtype.has_value());
   const at::Tensor& first = pooled_embs[0];
   std::vector<at::Tensor> outs = new_outputs(
       segments, out_lengths, first.size(0),

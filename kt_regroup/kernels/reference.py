@@ -24,9 +24,10 @@ __all__ = [
 _ACCUMULATE_IN_FLOAT = (torch.float16, torch.bfloat16)
 
 
-def _forward_rows(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths):
+def _forward_rows(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
+                  same_dtype=True):
     check_structure(op, "pooled_embs", pooled_embs, permutes, in_shapes, out_shapes,
-                    len(pooled_embs), out_lengths)
+                    len(pooled_embs), out_lengths, same_dtype=same_dtype)
     return check_rows(
         op, permutes, in_shapes, out_shapes, [t.size(1) for t in pooled_embs],
         [int(n) for n in out_lengths], "pooled_embs widths", "out_lengths",
@@ -47,7 +48,8 @@ def permute_multi_embedding_to_reference(
     dtype: Optional[torch.dtype] = None,
 ) -> List[torch.Tensor]:
     rows = _forward_rows(
-        "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths
+        "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
+        same_dtype=dtype is None,
     )
     first = pooled_embs[0]
     outs = [first.new_zeros(first.size(0), int(n), dtype=dtype) for n in out_lengths]

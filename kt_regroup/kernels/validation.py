@@ -17,7 +17,9 @@ from kt_regroup.plan import PERMUTE_COLUMNS
 __all__ = ["check_into_outputs", "check_rows", "check_structure"]
 
 
-def _check_tensor_list(op: str, name: str, tensors: Sequence[Optional[torch.Tensor]]) -> None:
+def _check_tensor_list(
+    op: str, name: str, tensors: Sequence[Optional[torch.Tensor]], same_dtype: bool = True
+) -> None:
     defined = [(i, t) for i, t in enumerate(tensors) if t is not None]
     if not defined:
         raise ValueError(f"kt_regroup.{op}: {name} is empty")
@@ -33,10 +35,11 @@ def _check_tensor_list(op: str, name: str, tensors: Sequence[Optional[torch.Tens
                 f"kt_regroup.{op}: {name}[{i}] is on {t.device} but {name}[{i0}] is on "
                 f"{first.device}; all must be on one device"
             )
-        if t.dtype != first.dtype:
+        if same_dtype and t.dtype != first.dtype:
             raise TypeError(
                 f"kt_regroup.{op}: {name}[{i}] is {t.dtype} but {name}[{i0}] is "
-                f"{first.dtype}; all must have one dtype"
+                f"{first.dtype}; all must have one dtype (permute_multi_embedding_to with a "
+                "dtype casts mixed inputs)"
             )
         if t.size(0) != first.size(0):
             raise ValueError(
@@ -55,16 +58,18 @@ def check_structure(
     n_in: int,
     sizes: Sequence,
     allow_none: bool = False,
+    same_dtype: bool = True,
 ) -> None:
     """Shapes, dtypes and devices of a call. ``tensors`` are the data (inputs, or
     gradients where ``allow_none``: ``None`` entries, all of them even), ``sizes`` the
-    output (or input) widths the call asks for: ints or SymInts."""
+    output (or input) widths the call asks for: ints or SymInts. ``same_dtype=False``
+    (the fused cast) lets inputs differ in dtype."""
     for j, n in enumerate(sizes):
         if isinstance(n, int) and n < 0:
             raise ValueError(f"kt_regroup.{op}: {'in' if allow_none else 'out'}_lengths[{j}] is negative ({n})")
     data = None
     if not allow_none or any(t is not None for t in tensors):
-        _check_tensor_list(op, name, tensors)
+        _check_tensor_list(op, name, tensors, same_dtype)
         data = next(t for t in tensors if t is not None).device
     if permutes.dim() != 2 or permutes.size(1) != PERMUTE_COLUMNS:
         raise ValueError(
