@@ -16,7 +16,7 @@ right either way.
 """
 
 import logging
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx._symbolic_trace as _fx_trace
@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 from torchrec.types import CacheMixin, DataType
 
 from kt_regroup.functional import regroup
-from kt_regroup.plan import get_plan
+from kt_regroup.plan import RegroupPlan, get_plan
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +143,9 @@ def _to_tensor_dict(keys: List[str], values: List[torch.Tensor]) -> Dict[str, to
     return {key: values[i] for i, key in enumerate(keys)}
 
 
-def _check_inputs(keyed_tensors) -> None:
-    """Clear errors for what is not a list of KeyedTensors (checked when a plan is built)."""
+def _check_inputs(keyed_tensors, casts: bool) -> None:
+    """Clear errors for what is not a list of KeyedTensors of one key_dim, and for mixed
+    dtypes the module is not asked to cast (checked when a plan is built)."""
     if not isinstance(keyed_tensors, (list, tuple)):
         raise TypeError(
             "KTRegroupAsDict expects a list of KeyedTensors, got "
@@ -162,6 +163,30 @@ def _check_inputs(keyed_tensors) -> None:
                 f"KTRegroupAsDict: all inputs must have the same key_dim; input {i} has "
                 f"key_dim {kt.key_dim()}, input 0 has {key_dim}"
             )
+    dtypes = {kt.values().dtype for kt in keyed_tensors}
+    if len(dtypes) > 1 and not casts:
+        raise TypeError(
+            f"KTRegroupAsDict: the inputs have dtypes {sorted(str(d) for d in dtypes)}; "
+            "set emb_dtype to regroup them into one dtype (the cast is fused into the copy)"
+        )
+
+
+def _layout_plan(
+    keyed_tensors: List[KeyedTensor], groups: List[List[str]], allow_views: bool
+) -> Tuple[RegroupPlan, List[List[int]]]:
+    """The plan of the inputs' layout and, with ``allow_views``, the groups returned as
+    views (``[input, offset, width]``, ``[-1, 0, 0]`` for copied ones; the plan then
+    covers the copied groups only)."""
+    plan = get_plan(  # layout errors
+        [kt.keys() for kt in keyed_tensors], [kt.length_per_key() for kt in keyed_tensors], groups
+    )
+    views: List[List[int]] = []
+    if allow_views and keyed_tensors[0].key_dim() == 1:
+        specs = plan.view_specs()
+        if any(spec is not None for spec in specs):
+            views = [[-1, 0, 0] if s is None else list(s) for s in specs]
+            plan = plan.restricted([j for j, s in enumerate(specs) if s is None])
+    return plan, views
 
 
 class RegroupPlanModule(torch.nn.Module):
@@ -185,6 +210,7 @@ class RegroupPlanModule(torch.nn.Module):
         keyed_tensors: Optional[List[KeyedTensor]] = None,
         groups: Optional[List[List[str]]] = None,
         allow_views: bool = False,
+        casts: bool = False,
     ) -> None:
         super().__init__()
         self.in_keys = []
@@ -195,16 +221,11 @@ class RegroupPlanModule(torch.nn.Module):
         permutes = torch.empty(0, 6, dtype=torch.int32)
         in_shapes = out_shapes = torch.empty(0, dtype=torch.int32)
         if keyed_tensors is not None and groups is not None:
-            _check_inputs(keyed_tensors)
+            _check_inputs(keyed_tensors, casts)
             self.key_dim = keyed_tensors[0].key_dim()
             self.in_keys = [list(kt.keys()) for kt in keyed_tensors]
             self.in_lengths = [list(kt.length_per_key()) for kt in keyed_tensors]
-            plan = get_plan(self.in_keys, self.in_lengths, groups)  # layout errors
-            if allow_views and self.key_dim == 1:
-                specs = plan.view_specs()
-                if any(spec is not None for spec in specs):
-                    self.views = [[-1, 0, 0] if s is None else list(s) for s in specs]
-                    plan = plan.restricted([j for j, s in enumerate(specs) if s is None])
+            plan, self.views = _layout_plan(keyed_tensors, groups, allow_views)
             self.out_lengths = list(plan.out_lengths)
             permutes, in_shapes, out_shapes = plan.coalesced_tensors()
         # The truth on the host, for _apply; the buffers follow the module's device.
@@ -307,13 +328,9 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
     @torch.jit.ignore
     def _build_plan(self, keyed_tensors: List[KeyedTensor]) -> RegroupPlanModule:
         """Builds the plan for this layout and swaps it in (one assignment)."""
-        plan = RegroupPlanModule(keyed_tensors, self._groups, self._allow_views)
-        dtypes = {kt.values().dtype for kt in keyed_tensors}
-        if len(dtypes) > 1 and self._dtype is None:
-            raise TypeError(
-                f"KTRegroupAsDict: the inputs have dtypes {sorted(str(d) for d in dtypes)}; "
-                "set emb_dtype to regroup them into one dtype (the cast is fused into the copy)"
-            )
+        plan = RegroupPlanModule(
+            keyed_tensors, self._groups, self._allow_views, casts=self._dtype is not None
+        )
         old = self._modules["_plan"]
         changed = len(old.in_keys) > 0 and (
             old.in_keys != plan.in_keys or old.in_lengths != plan.in_lengths
@@ -342,6 +359,10 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
                 # Eager and torch.compile: one read of the plan, rebuilt if it is stale.
                 plan = self._modules["_plan"]
                 if not isinstance(keyed_tensors, (list, tuple)) or not plan.matches(keyed_tensors):
+                    if torch.compiler.is_compiling():
+                        # A plan of the graph's own (constants), the module untouched: its
+                        # state is guarded, changing it would recompile on the next call.
+                        return _to_tensor_dict(self._keys, self._regroup_in_graph(keyed_tensors))
                     plan = self._build_plan(keyed_tensors)
                 if plan.key_dim != 1:
                     values = _cast(regroup(keyed_tensors, self._groups), self._dtype)
@@ -374,6 +395,18 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
             self._plan.views,
         )
         return _to_tensor_dict(self._keys, values)
+
+    @torch.jit.ignore
+    def _regroup_in_graph(self, keyed_tensors: List[KeyedTensor]) -> List[torch.Tensor]:
+        _check_inputs(keyed_tensors, self._dtype is not None)
+        if keyed_tensors[0].key_dim() != 1:
+            return _cast(regroup(keyed_tensors, self._groups), self._dtype)
+        plan, views = _layout_plan(keyed_tensors, self._groups, self._allow_views)
+        values = [kt.values() for kt in keyed_tensors]
+        return _permute(
+            values, *plan.coalesced_tensors(values[0].device), list(plan.out_lengths),
+            self._multi_device, self._dtype, views,
+        )
 
     @torch.jit.export
     def set_device(self, device: str) -> None:

@@ -141,11 +141,14 @@ def test_different_batch_sizes():
 
 
 def test_different_dtypes():
+    # The ops take one dtype (regroup promotes, the fused cast casts: test_hardening.py).
     kts = [_kt(["a"], [2]), _kt(["b"], [3], dtype=torch.float64)]
-    with pytest.raises(
-        TypeError, match=r"pooled_embs\[1\] is (torch.float64|Double) but pooled_embs\[0\] is"
-    ):
-        kt_regroup.regroup(kts, [["a", "b"]])
+    values = [kt.values() for kt in kts]
+    match = r"pooled_embs\[1\] is (torch.float64|Double) but pooled_embs\[0\] is"
+    with pytest.raises(TypeError, match=match):
+        kt_regroup.regroup_keyed_tensor(values, [["a"], ["b"]], [[2], [3]], [["a", "b"]])
+    with pytest.raises(TypeError, match=r"set emb_dtype"):
+        kt_regroup.KTRegroupAsDict([["a", "b"]], ["x"])(kts)
 
 
 def test_different_devices():

@@ -371,6 +371,25 @@ def test_torch_compile_module_stale_layout_recompiles_right():
         _check_dict(compiled(keyed_tensors(lay, values)), values, lay)
 
 
+@pytest.mark.parametrize("allow_views", [False, True])
+def test_torch_compile_cold_module_never_recompiles(allow_views):
+    # Compiled before its first forward: the graph holds a plan of its own and the module
+    # state (which dynamo guards) stays as it was, so later calls do not recompile.
+    torch._dynamo.reset()
+    layout = SMALL_LAYOUT
+    m = KTRegroupAsDict(layout.groups, _names(layout), allow_views=allow_views)
+
+    def f(kts):
+        return m(kts)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in (3, 5, 8):
+            values = make_values(layout, batch, seed=batch)
+            _check_dict(compiled(keyed_tensors(layout, values)), values, layout)
+    assert m._plan.in_keys == []
+
+
 class _ExportWrapper(torch.nn.Module):
     """torch.export cannot flatten KeyedTensor inputs: build them inside forward."""
 

@@ -101,11 +101,28 @@ void check_metadata(
       shape_str(out_shapes.sizes()));
 }
 
-// An int32/int64 metadata tensor of any device and strides, read as int64 on the host.
+// An int32/int64 metadata tensor of any device and strides, read as int64 on the host
+// (on the CPU without a copy: this runs on every call).
+template <typename index_t>
+std::vector<int64_t> read_values_typed(const at::Tensor& t) {
+  std::vector<int64_t> out(t.numel());
+  const index_t* p = t.const_data_ptr<index_t>();
+  if (t.is_contiguous()) {
+    std::copy(p, p + out.size(), out.begin());
+  } else {  // any strides: walk the rows (1-D or [n, 6])
+    const int64_t cols = t.dim() == 2 ? t.size(1) : 1;
+    const int64_t s0 = t.dim() > 0 ? t.stride(0) : 0, s1 = t.dim() == 2 ? t.stride(1) : 0;
+    for (size_t k = 0; k < out.size(); ++k) {
+      out[k] = p[(k / cols) * s0 + (k % cols) * s1];
+    }
+  }
+  return out;
+}
+
 std::vector<int64_t> read_values(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kCPU, at::kLong).contiguous();
-  const int64_t* p = c.const_data_ptr<int64_t>();
-  return std::vector<int64_t>(p, p + c.numel());
+  const at::Tensor host = t.is_cpu() ? t : t.cpu();
+  return host.scalar_type() == at::kInt ? read_values_typed<int32_t>(host)
+                                        : read_values_typed<int64_t>(host);
 }
 
 void check_declared(
