@@ -260,13 +260,8 @@ void permute_multi_embedding_into_cpu(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     at::TensorList outs) {
-  const char* op = "permute_multi_embedding_into";
-  const std::vector<int64_t> widths = check_into_outputs(op, pooled_embs, outs);
   const std::vector<Segment> segments =
-      check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, widths);
-  if (!segments_tile_outputs(segments, widths)) {
-    for (const at::Tensor& t : outs) t.zero_();
-  }
+      prepare_into(pooled_embs, permutes, in_shapes, out_shapes, outs);
   permute_forward_into(pooled_embs, segments, outs);
 }
 

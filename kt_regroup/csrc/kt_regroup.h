@@ -53,12 +53,15 @@ std::vector<Segment> check_backward(
     c10::IntArrayRef in_lengths,
     int64_t batch_size);
 
-// The caller-owned outputs of permute_multi_embedding_into: 2-D, batch, dtype, device,
-// unit column stride, and no overlap with the inputs or with each other. Returns their
-// widths (the op's out_lengths).
-std::vector<int64_t> check_into_outputs(
-    const char* op,
+// A permute_multi_embedding_into call: the caller-owned outputs (2-D, batch, dtype,
+// device, unit column stride, no overlap with the inputs or each other) and everything
+// check_forward checks. Zeroes the outputs unless the segments write every column; the
+// kernel then copies the returned segments.
+std::vector<Segment> prepare_into(
     at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
     at::TensorList outs);
 
 // Whether the segments write every column of every output exactly once, in order

@@ -256,10 +256,13 @@ std::vector<Segment> check_backward(
   return check_rows(op, permutes, in_widths, out_widths);
 }
 
-std::vector<int64_t> check_into_outputs(
-    const char* op,
+std::vector<Segment> prepare_into(
     at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
     at::TensorList outs) {
+  const char* op = "permute_multi_embedding_into";
   TORCH_CHECK_VALUE(!pooled_embs.empty(), "kt_regroup.", op, ": pooled_embs is empty");
   const at::Tensor& first = pooled_embs[0];
   std::vector<int64_t> widths;
@@ -307,7 +310,12 @@ std::vector<int64_t> check_into_outputs(
           "] in memory; outputs must not alias each other");
     }
   }
-  return widths;
+  std::vector<Segment> segments =
+      check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, widths);
+  if (!segments_tile_outputs(segments, widths)) {
+    for (const at::Tensor& t : outs) t.zero_();
+  }
+  return segments;
 }
 
 bool segments_tile_outputs(const std::vector<Segment>& segments, c10::IntArrayRef out_lengths) {
