@@ -16,6 +16,7 @@ right either way.
 """
 
 import logging
+import sys
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -143,6 +144,17 @@ def _to_tensor_dict(keys: List[str], values: List[torch.Tensor]) -> Dict[str, to
     return {key: values[i] for i, key in enumerate(keys)}
 
 
+def _waited(obj):
+    """What a torchrec LazyAwaitable (a sharded EBC's output under DistributedModelParallel)
+    stands for; anything else unchanged. Its attribute reads wait on it the same way."""
+    if "torchrec.distributed.types" in sys.modules:
+        from torchrec.distributed.types import LazyAwaitable
+
+        if isinstance(obj, LazyAwaitable):
+            return LazyAwaitable._wait_async(obj)
+    return obj
+
+
 def _check_inputs(keyed_tensors, casts: bool) -> None:
     """Clear errors for what is not a list of KeyedTensors of one key_dim, and for mixed
     dtypes the module is not asked to cast (checked when a plan is built)."""
@@ -154,8 +166,10 @@ def _check_inputs(keyed_tensors, casts: bool) -> None:
     if len(keyed_tensors) == 0:
         raise ValueError("KTRegroupAsDict: keyed_tensors is empty")
     for i, kt in enumerate(keyed_tensors):
-        if not isinstance(kt, KeyedTensor):
-            raise TypeError(f"KTRegroupAsDict: keyed_tensors[{i}] is a {type(kt).__name__}, not a KeyedTensor")
+        if not isinstance(kt, KeyedTensor) and not isinstance(_waited(kt), KeyedTensor):
+            raise TypeError(
+                f"KTRegroupAsDict: keyed_tensors[{i}] is a {type(kt).__name__}, not a KeyedTensor"
+            )
     key_dim = keyed_tensors[0].key_dim()
     for i, kt in enumerate(keyed_tensors):
         if kt.key_dim() != key_dim:
