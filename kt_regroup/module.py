@@ -319,6 +319,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
     # torchrec's form of emb_dtype, for torchrec's tools (its IR serializer); the forward
     # uses the torch dtype, _dtype.
     __jit_ignored_attributes__ = ["_emb_dtype"]
+    __jit_unused_properties__ = ["_is_inited"]
 
     _groups: List[List[str]]
     _keys: List[str]
@@ -458,6 +459,11 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
 
     def clear_cache(self) -> None:
         self._plan = RegroupPlanModule()
+
+    @property
+    def _is_inited(self) -> bool:
+        """torchrec's name for "the plan is built" (read by torchrec's tools and tests)."""
+        return len(self._plan.in_keys) > 0
 
 
 # torchrec's IR serializer learns this class where torchrec.ir exists.

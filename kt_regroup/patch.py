@@ -130,10 +130,14 @@ def _forget_scripted_classes() -> None:
 
 
 def _torchrec_modules() -> List[ModuleType]:
+    # torchrec.ir keeps torchrec's names: its serializer rebuilds torchrec's own modules
+    # by that name and checks their type (kt_regroup's class has a serializer of its own).
     return [
         m
         for name, m in list(sys.modules.items())
-        if m is not None and (name == "torchrec" or name.startswith("torchrec."))
+        if m is not None
+        and (name == "torchrec" or name.startswith("torchrec."))
+        and not (name == "torchrec.ir" or name.startswith("torchrec.ir."))
     ]
 
 

@@ -164,10 +164,12 @@ def test_key_dim_zero_falls_back_and_matches_torchrec():
 def test_clear_cache_rebuilds():
     layout = SMALL_LAYOUT
     m = KTRegroupAsDict(layout.groups, _names(layout))
+    assert not m._is_inited  # torchrec's attribute name, read by its tools
     v1 = make_values(layout, 2)
     _check_dict(m(keyed_tensors(layout, v1)), v1, layout)
+    assert m._is_inited
     m.clear_cache()
-    assert m._plan.in_keys == []
+    assert m._plan.in_keys == [] and not m._is_inited
     v2 = make_values(WIDER, 3)
     _check_dict(m(keyed_tensors(WIDER, v2)), v2, WIDER)
     assert m._plan.in_lengths == WIDER.lengths

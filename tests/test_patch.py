@@ -173,11 +173,16 @@ def test_only_torchrec_modules_are_rebound_including_ones_imported_while_patched
     early.KTRegroupAsDict = original
     user = types.ModuleType("kt_regroup_test_user_model")
     user.KTRegroupAsDict = original
-    monkeypatch.setitem(sys.modules, early.__name__, early)
-    monkeypatch.setitem(sys.modules, user.__name__, user)
+    # torchrec.ir's serializer rebuilds torchrec's own class by this name and checks the
+    # type: rebinding it broke the IR round trip of modules built before the patch.
+    ir = types.ModuleType("torchrec.ir._kt_regroup_test_serializer")
+    ir.KTRegroupAsDict = original
+    for m in (early, user, ir):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
     with kt_regroup.patch_torchrec():
         assert early.KTRegroupAsDict is kt_regroup.KTRegroupAsDict
         assert user.KTRegroupAsDict is original  # documented: not a torchrec module
+        assert ir.KTRegroupAsDict is original
         late = types.ModuleType("torchrec._kt_regroup_test_late")
         late.KTRegroupAsDict = tr_regroup.KTRegroupAsDict  # imported while patched
         monkeypatch.setitem(sys.modules, late.__name__, late)
