@@ -17,8 +17,8 @@ What FBGEMM does, and what this backend adds:
   float16/bfloat16 in float32). Its outputs are ``at::empty`` on CPU and CUDA alike, so
   the gradients of keys no group uses are whatever memory held: this backend zeroes
   them, on the device and without a host sync (one masked fill over the gradients).
-* what FBGEMM has no op for (the fused cast to another dtype, mixed input dtypes,
-  caller-owned outputs) returns ``NotImplemented``: ``kt_regroup.ops`` then calls the
+* what FBGEMM has no op for (float64 and integer dtypes, the fused cast to another
+  dtype, mixed input dtypes, caller-owned outputs) returns ``NotImplemented``: ``kt_regroup.ops`` then calls the
   kernel that served the device before.
 """
 
@@ -29,6 +29,8 @@ from typing import List, Optional, Sequence
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 
+from kt_regroup.kernels.validation import check_backward_call, check_forward_call
+
 __all__ = [
     "has_kernel",
     "permute_multi_embedding_backward_fbgemm",
@@ -37,6 +39,7 @@ __all__ = [
 ]
 
 _OP = "fbgemm::permute_multi_embedding_function"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # FBGEMM's kernels (no float64)
 
 
 def has_kernel(dispatch_key: str) -> bool:
@@ -51,7 +54,10 @@ def permute_multi_embedding_fbgemm(
     out_shapes: torch.Tensor,
     out_lengths: Sequence[int],
 ) -> List[torch.Tensor]:
-    if len({t.dtype for t in pooled_embs}) > 1:
+    check_forward_call("permute_multi_embedding", pooled_embs, permutes, in_shapes, out_shapes,
+                       out_lengths)
+    dtypes = {t.dtype for t in pooled_embs}
+    if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
         return NotImplemented  # FBGEMM allocates every output like pooled_embs[0]
     return list(torch.ops.fbgemm.permute_multi_embedding_function(
         list(pooled_embs), permutes, in_shapes, out_shapes, list(out_lengths), False
@@ -66,6 +72,8 @@ def permute_multi_embedding_to_fbgemm(
     out_lengths: Sequence[int],
     dtype: Optional[torch.dtype] = None,
 ) -> List[torch.Tensor]:
+    check_forward_call("permute_multi_embedding_to", pooled_embs, permutes, in_shapes,
+                       out_shapes, out_lengths, same_dtype=dtype is None)
     if dtype is not None and any(t.dtype != dtype for t in pooled_embs):
         return NotImplemented  # no fused cast in FBGEMM
     return permute_multi_embedding_fbgemm(pooled_embs, permutes, in_shapes, out_shapes, out_lengths)
@@ -95,8 +103,10 @@ def permute_multi_embedding_backward_fbgemm(
     batch_size: int,
     dtype: torch.dtype,
 ) -> List[torch.Tensor]:
+    check_backward_call("permute_multi_embedding_backward", grad_outputs, permutes, in_shapes,
+                        out_shapes, in_lengths, batch_size)
     defined = [g for g in grad_outputs if g is not None]
-    if not defined or any(g.dtype != dtype for g in defined):
+    if not defined or dtype not in _DTYPES or any(g.dtype != dtype for g in defined):
         return NotImplemented
     like = defined[0]
     # FBGEMM takes no None gradient: a zero block reads as one (out_shapes has its width;

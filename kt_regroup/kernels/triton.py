@@ -65,7 +65,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kt_regroup.kernels.validation import check_into_outputs, check_rows, check_structure
+from kt_regroup.kernels.validation import (
+    check_backward_call,
+    check_forward_call,
+    check_into_outputs,
+    check_structure,
+)
 
 __all__ = [
     "MAX_TENSORS",
@@ -576,14 +581,6 @@ def _concatenated(
 # NotImplemented: the op then runs the kernel that served the device before.
 
 
-def _check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, widths, same_dtype=True):
-    check_structure(op, "pooled_embs", pooled_embs, permutes, in_shapes, out_shapes,
-                    len(pooled_embs), widths, same_dtype=same_dtype)
-    if permutes.device.type == "cpu":
-        check_rows(op, permutes, in_shapes, out_shapes, [t.size(1) for t in pooled_embs],
-                   [int(n) for n in widths], "pooled_embs widths", "out_lengths")
-
-
 def permute_multi_embedding_to_triton(
     pooled_embs: List[torch.Tensor],
     permutes: torch.Tensor,
@@ -597,8 +594,8 @@ def permute_multi_embedding_to_triton(
     ``permute_multi_embedding``). Inputs of different dtypes (the fused cast) are first
     widened to their promoted dtype, exactly, in one extra copy of the narrower ones:
     a launch reads one dtype. Inputs of one dtype take one pass."""
-    _check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
-                   same_dtype=dtype is None)
+    check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
+                       same_dtype=dtype is None)
     dtypes = {t.dtype for t in pooled_embs}
     if not dtypes <= set(_TL_DTYPE) or (dtype is not None and dtype not in _TL_DTYPE):
         return NotImplemented
@@ -619,13 +616,11 @@ def permute_multi_embedding_into_triton(
 ) -> None:
     """The op ``permute_multi_embedding_into``: every element of ``outs`` written once."""
     op = "permute_multi_embedding_into"
-    widths = [o.size(-1) for o in outs]
     check_structure(op, "pooled_embs", pooled_embs, permutes, in_shapes, out_shapes,
-                    len(pooled_embs), widths)
+                    len(pooled_embs), [o.size(-1) for o in outs])
     widths = check_into_outputs(op, pooled_embs, outs)
-    if permutes.device.type == "cpu":
-        check_rows(op, permutes, in_shapes, out_shapes, [t.size(1) for t in pooled_embs],
-                   widths, "pooled_embs widths", "outs widths")
+    check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, widths,
+                       out_name="outs widths")
     if pooled_embs[0].dtype not in _TL_DTYPE:
         return NotImplemented
     permute_multi_embedding_triton(
@@ -645,21 +640,8 @@ def permute_multi_embedding_backward_op_triton(
 ) -> List[torch.Tensor]:
     """The op ``permute_multi_embedding_backward``: checks, then
     :func:`permute_multi_embedding_backward_triton`."""
-    op = "permute_multi_embedding_backward"
-    check_structure(op, "grad_outputs", grad_outputs, permutes, in_shapes, out_shapes,
-                    len(in_lengths), in_lengths, allow_none=True)
-    if batch_size < 0:
-        raise ValueError(f"kt_regroup.{op}: batch_size is negative ({batch_size})")
-    if permutes.device.type == "cpu":
-        out_widths = [int(n) for n in out_shapes.tolist()]
-        for j, g in enumerate(grad_outputs):
-            if g is not None and g.size(1) != out_widths[j]:
-                raise ValueError(
-                    f"kt_regroup.{op}: grad_outputs[{j}] has shape {tuple(g.shape)}, expected "
-                    f"({batch_size}, {out_widths[j]})"
-                )
-        check_rows(op, permutes, in_shapes, out_shapes, [int(n) for n in in_lengths],
-                   out_widths, "in_lengths", "out_shapes")
+    check_backward_call("permute_multi_embedding_backward", grad_outputs, permutes, in_shapes,
+                        out_shapes, in_lengths, batch_size)
     dtypes = {g.dtype for g in grad_outputs if g is not None}
     if dtype not in _TL_DTYPE or not dtypes <= set(_TL_DTYPE) or len(dtypes) > 1:
         return NotImplemented
