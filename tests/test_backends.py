@@ -153,11 +153,14 @@ LAYOUTS = {
 }
 # What this backend computes natively; the others take the fallback, checked all the same.
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+# On a CUDA machine the same tests run on CUDA tensors too (there: Triton, unless
+# KT_REGROUP_BACKEND says otherwise), compared with the reference on the CPU.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else [])
 
 
-def _metadata(layout: Layout):
+def _metadata(layout: Layout, device="cpu"):
     plan = get_plan(layout.keys, layout.lengths, layout.groups)
-    return (*plan.tensors(), list(plan.out_lengths))
+    return (*plan.tensors(torch.device(device)), list(plan.out_lengths))
 
 
 def _grads(out_lengths, batch, dtype, seed=1):
@@ -165,40 +168,49 @@ def _grads(out_lengths, batch, dtype, seed=1):
     return [torch.randn(batch, n, generator=gen, dtype=torch.float64).to(dtype) for n in out_lengths]
 
 
-def _exact_for_duplicates(dtype) -> bool:
+def _on(device, tensors):
+    return [t.to(device) for t in tensors]
+
+
+def _exact_for_duplicates(dtype, device) -> bool:
     # FBGEMM adds duplicated keys' gradients in their dtype; the others accumulate
     # float16/bfloat16 in float32 and round once.
-    return not (SERVING == "fbgemm" and dtype in (torch.float16, torch.bfloat16))
+    return not (kt_regroup.backend(device) == "fbgemm" and dtype in (torch.float16, torch.bfloat16))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("batch", [0, 1, 5])
-def test_parity_forward_and_backward(name, batch):
+def test_parity_forward_and_backward(name, batch, device):
     layout = LAYOUTS[name]
     permutes, in_shapes, out_shapes, out_lengths = _metadata(layout)
     values = make_values(layout, batch, seed=batch)
-    outs = kt_regroup.permute_multi_embedding(values, permutes, in_shapes, out_shapes, out_lengths)
-    assert_same_list(outs, expected_regroup(values, layout))
+    outs = kt_regroup.permute_multi_embedding(
+        _on(device, values), *_metadata(layout, device)[:3], out_lengths)
+    assert_same_list(_on("cpu", outs), expected_regroup(values, layout))
     grads = _grads(out_lengths, batch, torch.float32)
     got = torch.ops.kt_regroup.permute_multi_embedding_backward(
-        grads, permutes, in_shapes, out_shapes, layout.in_widths, batch, torch.float32)
+        _on(device, grads), *_metadata(layout, device)[:3], layout.in_widths, batch, torch.float32)
     want = reference.permute_multi_embedding_backward_reference(
         grads, permutes, in_shapes, out_shapes, layout.in_widths, batch, torch.float32)
-    assert_same_list(got, want)
+    assert_same_list(_on("cpu", got), want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
-def test_parity_dtypes_noncontiguous_and_unused_keys_get_zero(dtype):
+def test_parity_dtypes_noncontiguous_and_unused_keys_get_zero(dtype, device):
     layout = random_layout(3)
     permutes, in_shapes, out_shapes, out_lengths = _metadata(layout)
-    values = make_values(layout, 3, dtype, noncontiguous=True, requires_grad=True)
-    outs = kt_regroup.permute_multi_embedding(values, permutes, in_shapes, out_shapes, out_lengths)
-    assert_same_list(outs, expected_regroup(values, layout))
+    values = make_values(layout, 3, dtype, noncontiguous=True)
+    # Non-contiguous on the device too: the same strided view of a moved buffer.
+    here = [v.t().contiguous().to(device).t().requires_grad_() for v in values]
+    outs = kt_regroup.permute_multi_embedding(here, *_metadata(layout, device)[:3], out_lengths)
+    assert_same_list(_on("cpu", outs), expected_regroup(values, layout))
     grads = _grads(out_lengths, 3, dtype)
-    got = torch.autograd.grad(outs, values, grads)
+    got = _on("cpu", torch.autograd.grad(outs, here, _on(device, grads)))
     want = reference.permute_multi_embedding_backward_reference(
         grads, permutes, in_shapes, out_shapes, layout.in_widths, 3, dtype)
-    if _exact_for_duplicates(dtype):
+    if _exact_for_duplicates(dtype, device):
         assert_same_list(got, want)
     else:
         for g, w in zip(got, want):
@@ -212,31 +224,35 @@ def test_parity_dtypes_noncontiguous_and_unused_keys_get_zero(dtype):
             off += w
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float64], ids=str)
-def test_parity_fused_cast_of_mixed_input_dtypes(dtype):
+def test_parity_fused_cast_of_mixed_input_dtypes(dtype, device):
     layout = random_layout(2)
     permutes, in_shapes, out_shapes, out_lengths = _metadata(layout)
     mixed = [torch.float16, torch.float32, torch.bfloat16]
     values = [v.to(mixed[i % 3]) for i, v in enumerate(make_values(layout, 5))]
     if dtype is None:
         values = [v.to(torch.float32) for v in values]
-    got = kt_regroup.permute_multi_embedding_to(values, permutes, in_shapes, out_shapes,
+    got = kt_regroup.permute_multi_embedding_to(_on(device, values), *_metadata(layout, device)[:3],
                                                 out_lengths, dtype)
     want = reference.permute_multi_embedding_to_reference(values, permutes, in_shapes,
                                                            out_shapes, out_lengths, dtype)
-    assert_same_list(got, want)
+    assert_same_list(_on("cpu", got), want)
 
 
-def test_parity_into_caller_owned_outputs():
+@pytest.mark.parametrize("device", DEVICES)
+def test_parity_into_caller_owned_outputs(device):
     layout = SMALL_LAYOUT
-    permutes, in_shapes, out_shapes, out_lengths = _metadata(layout)
+    out_lengths = _metadata(layout)[3]
     values = make_values(layout, 4)
-    outs = [torch.full((4, n + 2), float("nan"))[:, 1:1 + n] for n in out_lengths]  # row stride > width
-    kt_regroup.permute_multi_embedding_into(values, permutes, in_shapes, out_shapes, outs)
-    assert_same_list(outs, expected_regroup(values, layout))
+    # Row stride wider than the width; NaN where nothing may remain.
+    outs = [torch.full((4, n + 2), float("nan"), device=device)[:, 1:1 + n] for n in out_lengths]
+    kt_regroup.permute_multi_embedding_into(_on(device, values), *_metadata(layout, device)[:3], outs)
+    assert_same_list(_on("cpu", outs), expected_regroup(values, layout))
 
 
 def test_parity_bad_rows_raise_a_clear_error():
+    # (CPU: on a device the rows are not read back; the kernels clip bad rows.)
     permutes, in_shapes, out_shapes, out_lengths = _metadata(SMALL_LAYOUT)
     values = make_values(SMALL_LAYOUT, 2)
     bad = permutes.clone()
