@@ -33,6 +33,7 @@ import ctypes
 import functools
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -59,7 +60,7 @@ __all__ = [
 
 NAMESPACE = "kt_regroup"
 BACKEND_ENV = "KT_REGROUP_BACKEND"
-_BACKENDS = ("auto", "reference", "cpp")
+_BACKENDS = ("auto", "reference", "cpp", "triton", "fbgemm")
 
 # The schemas of csrc/ops.cpp, defined here only where the library is absent (a test
 # checks that both sets are identical).
@@ -84,8 +85,11 @@ SCHEMAS = {
 
 
 def requested_backend() -> str:
-    """``KT_REGROUP_BACKEND``: ``auto`` (default), ``reference`` (skip the compiled
-    library: the portable Python kernels) or ``cpp`` (the library is required)."""
+    """``KT_REGROUP_BACKEND``: ``auto`` (default: the compiled library; Triton on CUDA
+    where it imports), ``reference`` (skip the compiled library: the portable Python
+    kernels everywhere), ``cpp`` (the library is required; no Triton), ``triton`` (Triton
+    on CUDA, and on CPU tensors too under ``TRITON_INTERPRET=1``) or ``fbgemm``
+    (FBGEMM's op on each device it has a kernel for). See :func:`backend`."""
     value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if value not in _BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={value!r}: expected one of {', '.join(_BACKENDS)}")
@@ -330,18 +334,138 @@ def _(embs, keys, lengths, groups):
     )
 
 
-# --- 4. what serves a device -------------------------------------------------------------------
+# --- 4. backends: what serves each device ----------------------------------------------------
+#
+# The compiled library registers the portable kernel for every device
+# (CompositeExplicitAutograd) and the native one for CPU. A backend adds a kernel for one
+# dispatch key (CPU, CUDA) in Python that calls its own kernels and, for what they do not
+# take (they return NotImplemented), the kernel that served that key before, fetched with
+# torch.library.get_kernel before the registration. The autograd kernels above it
+# redispatch to it, so the backward and double backward use it too. Its module (and
+# Triton, fbgemm_gpu) is imported on the first call, never at `import kt_regroup`.
+
+_DEVICE_OPS = (
+    "permute_multi_embedding",
+    "permute_multi_embedding_to",
+    "permute_multi_embedding_into",
+    "permute_multi_embedding_backward",
+)
+
+
+def _triton_kernels(key: str) -> dict:
+    from kt_regroup.kernels import triton as kernels
+
+    return {
+        "permute_multi_embedding": functools.partial(
+            kernels.permute_multi_embedding_to_triton, op="permute_multi_embedding"
+        ),
+        "permute_multi_embedding_to": kernels.permute_multi_embedding_to_triton,
+        "permute_multi_embedding_into": kernels.permute_multi_embedding_into_triton,
+        "permute_multi_embedding_backward": kernels.permute_multi_embedding_backward_op_triton,
+    }
+
+
+def _fbgemm_kernels(key: str) -> dict:
+    from kt_regroup.kernels import fbgemm as kernels
+
+    if not kernels.has_kernel(key):
+        raise RuntimeError(f"the installed fbgemm_gpu has no {key} kernel")
+    return {
+        "permute_multi_embedding": kernels.permute_multi_embedding_fbgemm,
+        "permute_multi_embedding_to": kernels.permute_multi_embedding_to_fbgemm,
+        "permute_multi_embedding_backward": kernels.permute_multi_embedding_backward_fbgemm,
+    }
+
+
+class _Backend:
+    """Kernels of backend ``name`` registered for dispatch key ``key``; loaded on first
+    use; where they cannot load, one warning and the previous kernels from then on."""
+
+    def __init__(self, name: str, key: str, load, fallback_name: str) -> None:
+        self.name, self.key, self._load, self.fallback_name = name, key, load, fallback_name
+        self._kernels: Optional[dict] = None
+        self._fallback = {
+            op: torch.library.get_kernel(f"{NAMESPACE}::{op}", key) for op in _DEVICE_OPS
+        }
+
+    def kernels(self) -> dict:
+        if self._kernels is None:
+            try:
+                self._kernels = self._load(self.key)
+            except Exception as exc:  # ImportError, a broken install: reported, not fatal
+                self._kernels = {}
+                logger.warning(
+                    "kt_regroup: the %s backend is unavailable for %s tensors (%s: %s); "
+                    "using the %s kernel",
+                    self.name, self.key, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                    self.fallback_name,
+                )
+        return self._kernels
+
+    def serving(self) -> str:
+        return self.name if self.kernels() else self.fallback_name
+
+    def register(self, lib: torch.library.Library) -> None:
+        with warnings.catch_warnings():  # replacing the CPU kernel is the point: no warning
+            warnings.filterwarnings("ignore", "Warning only once for all operators")
+            for op in _DEVICE_OPS:
+                lib.impl(op, functools.partial(self._call, op), self.key, with_keyset=True)
+
+    def _call(self, op, keyset, *args, **kwargs):
+        kernel = self.kernels().get(op)
+        result = NotImplemented if kernel is None else kernel(*args, **kwargs)
+        if result is NotImplemented:
+            return self._fallback[op].call_boxed(keyset, *args, **kwargs)
+        return result
+
+
+def _native_backend(key: str) -> str:
+    """What the compiled library (or the Python fallback) serves ``key`` with."""
+    native = torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"{NAMESPACE}::permute_multi_embedding", key
+    )
+    return "cpp" if native else "reference"
+
+
+def _install_backends(wanted: str) -> dict:
+    chosen = {}
+    if wanted in ("auto", "triton"):
+        chosen["CUDA"] = ("triton", _triton_kernels)
+        if wanted == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+            chosen["CPU"] = ("triton", _triton_kernels)  # Triton's interpreter: CPU tensors
+    elif wanted == "fbgemm":
+        chosen = {key: ("fbgemm", _fbgemm_kernels) for key in ("CPU", "CUDA")}
+    if not chosen:
+        return {}
+    backends = {key: _Backend(name, key, load, _native_backend(key)) for key, (name, load) in chosen.items()}
+    lib = torch.library.Library(NAMESPACE, "IMPL")
+    for b in backends.values():
+        b.register(lib)
+    backends["_lib"] = lib  # kept alive: dropping it would unregister the kernels
+    return backends
+
+
+_SERVING = _install_backends(requested_backend())
 
 
 def backend(device: torch.device | str = "cpu") -> str:
-    """The kernel that serves ``permute_multi_embedding`` on ``device``: ``cpp`` (the
-    native CPU kernel) or ``reference`` (the portable kernel, in C++ when the library is
-    loaded, else in Python)."""
+    """The kernels that serve ``torch.ops.kt_regroup.*`` on ``device``: ``triton``,
+    ``fbgemm``, ``cpp`` (the native CPU kernel) or ``reference`` (the portable kernel:
+    in C++ where the library is loaded, else in Python). Asking for a device whose
+    backend is not loaded yet loads it (Triton, fbgemm_gpu), with its warning if it
+    cannot.
+
+    Example::
+
+        >>> kt_regroup.backend("cpu")  # doctest: +SKIP
+        'cpp'
+    """
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
-    has = key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        f"{NAMESPACE}::permute_multi_embedding", key
-    )
-    return "cpp" if has else "reference"
+    if key is None:
+        return "reference"
+    if key in _SERVING:
+        return _SERVING[key].serving()
+    return _native_backend(key)
 
 
 # --- 5. typed wrappers -------------------------------------------------------------------------

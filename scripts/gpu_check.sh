@@ -1,29 +1,46 @@
 #!/usr/bin/env bash
-# GPU check for kt_regroup (issue 11): CUDA stack, CUDA tests, CUDA-graph capture of one
-# training step, and the benchmark table, written to $OUT (default gpu_check_results/).
-# Target: under 5 minutes on one GPU once the wheels are downloaded.
+# GPU check for kt_regroup (issue 11), on one CUDA machine, in under 5 minutes once the
+# wheels are downloaded:
+#   1. installs the CUDA stack into $VENV (torch, triton, the CUDA fbgemm-gpu, torchrec,
+#      kt_regroup built against that torch);
+#   2. runs the tests with CUDA cases (the Triton kernels compiled, the backends on CUDA);
+#   3. captures one training step (forward + backward + SGD) in a CUDA graph, with CUDA's
+#      sync debug mode raising on any host sync, and checks the replay against eager;
+#   4. benchmarks the seed layout (B=1024, 20x64 + 1000x128 keys), with and without
+#      duplicates, forward and forward+backward: kt_regroup (its backend in the header)
+#      vs FBGEMM's op, torchrec's Triton op where installed, KeyedTensor.regroup and a
+#      device copy of the same bytes; P50/P90 from CUDA events, peak memory;
+#   5. checks the issue's goals on that table (reported, they do not fail the script).
+# Everything goes to $OUT (default gpu_check_results/): gpu_check.md is the report (paste
+# it into the issue), bench/table.md the table, one log per step.
 #
-# DRAFT (phase 1 of issue 11). Assumptions, to check or finish in phase 2:
-#  * Linux x86_64, an NVIDIA GPU and a driver for the CUDA 12 wheels that PyPI's
-#    torch==2.13.0 is built with; python3.10+.
-#  * Stack: torch==2.13.0 (PyPI's default Linux wheel is the CUDA build), the CUDA
-#    fbgemm-gpu==1.8.0 (same release as the CPU stack's fbgemm-gpu-cpu), torchrec==1.9.2
-#    (--no-deps, its other needs from requirements/cpu.txt), triton==3.9.0 unless torch
-#    brought its own (the version torch pins wins; it is printed).
-#  * No network on the machine (as on the lent device machines): set PYTHON to an
-#    interpreter that already has that stack, and KT_GPU_CHECK_INSTALL=0.
-#  * Phase 2 provides: the Triton backend behind torch.ops.kt_regroup.* on CUDA
-#    (KT_REGROUP_BACKEND=triton|fbgemm|auto, kt_regroup.backend("cuda") == "triton"),
-#    CUDA cases in the op/module tests, and `python -m kt_regroup.bench --device_type cuda`
-#    (FBGEMM's op, torchrec's Triton op if present, KeyedTensor.regroup, a device copy of
-#    the same bytes; P50/P90 from CUDA events, peak memory).
-#  * TODO(phase 2): the test list and bench flags below; paste $OUT/gpu_check.md into the
-#    closing note of issue 11.
+# Usage: scripts/gpu_check.sh [--dry-run] [--out DIR]
+#   --dry-run  no GPU, no install: every step runs its CPU stand-in (the tests under
+#              Triton's interpreter, the training step eagerly, a quick CPU bench), so the
+#              script itself can be checked on any machine.
+# Environment: PYTHON (interpreter for the venv, or the one to use with
+#   KT_GPU_CHECK_INSTALL=0, e.g. on a machine without network that has the stack),
+#   VENV (default .venv-cuda), OUT.
+# Stack (the versions of the CPU stack, CUDA builds): torch==2.13.0 (PyPI's default Linux
+# wheel is the CUDA one), triton==3.9.0 unless torch brought its own, fbgemm-gpu==1.8.0,
+# torchrec==1.9.2 (--no-deps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_results}
+DRY=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --dry-run) DRY=1 ;;
+    --out) OUT=$2; shift ;;
+    -h | --help) sed -n '2,27p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
 INSTALL=${KT_GPU_CHECK_INSTALL:-1}
+[ "$DRY" = 1 ] && INSTALL=0
 VENV=${VENV:-.venv-cuda}
+DEVICE=$([ "$DRY" = 1 ] && echo cpu || echo cuda)
 mkdir -p "$OUT"
 REPORT="$OUT/gpu_check.md"
 : >"$REPORT"
@@ -44,7 +61,7 @@ step() {
   return $rc
 }
 
-say "# kt_regroup GPU check ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null))"
+say "# kt_regroup GPU check$([ "$DRY" = 1 ] && echo ' (DRY RUN on CPU: no GPU was used)') ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null))"
 
 # --- 1. the CUDA stack --------------------------------------------------------------------
 if [ "$INSTALL" = 1 ]; then
@@ -64,32 +81,40 @@ else
   PY=${PYTHON:-python3}
 fi
 
-step environment 60 "$PY" -c '
-import torch, kt_regroup
-assert torch.cuda.is_available(), "no CUDA device"
-print(torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda)
-for name in ("triton", "fbgemm_gpu", "torchrec"):
+step environment 60 env DEVICE="$DEVICE" "$PY" -c '
+import os, torch, kt_regroup
+device = os.environ["DEVICE"]
+assert device == "cpu" or torch.cuda.is_available(), "no CUDA device"
+name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)"
+print(name, "torch", torch.__version__, "cuda", torch.version.cuda)
+for module in ("triton", "fbgemm_gpu", "torchrec"):
     try:
-        print(name, __import__(name).__version__)
-    except Exception as e:  # reported, the steps that need it fail on their own
-        print(name, "unavailable:", e)
-print("kt_regroup.backend(cuda) =", kt_regroup.backend("cuda"))
+        print(module, __import__(module).__version__)
+    except Exception as e:  # reported; the steps that need it fail on their own
+        print(module, "unavailable:", e)
+print("kt_regroup", kt_regroup.__version__, "library", kt_regroup.library_path())
+print("kt_regroup.backend(cuda) =", kt_regroup.backend("cuda"), "backend(cpu) =", kt_regroup.backend("cpu"))
 ' || { tail -n 30 "$OUT/environment.log"; exit 1; }
 head -n -1 "$OUT/environment.log" | sed 's/^/    /' >>"$REPORT"
 
-# --- 2. tests on CUDA (no TRITON_INTERPRET: the kernels are compiled and run) ---------------
-# TODO(phase 2): add the op/module test files once they have CUDA cases.
-step tests 150 env -u TRITON_INTERPRET "$PY" -m pytest -q -x -p no:cacheprovider \
-  tests/test_triton.py
+# --- 2. tests with CUDA cases (the kernels compiled, not interpreted) ------------------------
+if [ "$DRY" = 1 ]; then  # the same files, the Triton kernels in the interpreter
+  step tests 300 env TRITON_INTERPRET=1 KT_REGROUP_BACKEND=triton "$PY" -m pytest -q -x \
+    -p no:cacheprovider tests/test_backends.py -k "parity and not each_backend"
+else
+  step tests 150 env -u TRITON_INTERPRET "$PY" -m pytest -q -x -p no:cacheprovider \
+    tests/test_triton.py tests/test_backends.py
+fi
 
 # --- 3. one training step: no host sync, captured in a CUDA graph, replayed ---------------
-step cuda_graph 60 "$PY" - <<'EOF'
+step training_step 90 env DEVICE="$DEVICE" "$PY" - <<'EOF'
+import os
 import torch
 from torchrec.sparse.jagged_tensor import KeyedTensor
 import kt_regroup
 
 torch.manual_seed(0)
-dev = torch.device("cuda")
+dev = torch.device(os.environ["DEVICE"])
 B, keys = 256, [[f"d{i}" for i in range(4)], [f"s{i}" for i in range(16)]]
 lengths = [[64] * 4, [128] * 16]
 groups = [keys[0] + keys[1][:8], keys[1][8:] + [keys[0][0]]]  # one duplicated key
@@ -99,7 +124,8 @@ towers = torch.nn.ModuleDict({
     "item": torch.nn.Linear(8 * 128 + 64, 1),
 }).to(dev)
 emb = [torch.randn(B, sum(w), device=dev, requires_grad=True) for w in lengths]
-opt = torch.optim.SGD(list(towers.parameters()) + emb, lr=0.1)
+params = list(towers.parameters()) + emb
+opt = torch.optim.SGD(params, lr=0.1)
 
 def step():
     kts = [KeyedTensor(keys=k, length_per_key=w, values=e) for k, w, e in zip(keys, lengths, emb)]
@@ -110,45 +136,95 @@ def step():
     opt.step()
     return loss
 
-side = torch.cuda.Stream()
-side.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(side):
-    for _ in range(3):  # compile kernels, build the plan, warm the allocator
+def restore(state):
+    with torch.no_grad():
+        for t, s in zip(params, state):
+            t.copy_(s)
+
+print("backend:", kt_regroup.backend(dev))
+if dev.type == "cuda":
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compile kernels, build the plan, warm the allocator
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in a step raises from here on
+    step()
+    torch.cuda.set_sync_debug_mode("default")
+else:
+    for _ in range(2):
         step()
-torch.cuda.current_stream().wait_stream(side)
-torch.cuda.set_sync_debug_mode("error")  # any host sync in a step raises from here on
-step()
-torch.cuda.set_sync_debug_mode("default")
-state = [t.detach().clone() for t in list(towers.parameters()) + emb]
-graph = torch.cuda.CUDAGraph()
-with torch.cuda.graph(graph):
+state = [t.detach().clone() for t in params]
+if dev.type == "cuda":
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    restore(state)  # the capture did not run the step
+    graph.replay()
+else:  # dry run: no graph; the step must still be repeatable from one state
     static_loss = step()
-# The capture did not run the step: restore, replay once, compare with one eager step.
-with torch.no_grad():
-    for t, s in zip(list(towers.parameters()) + emb, state):
-        t.copy_(s)
-graph.replay()
-replayed = [t.detach().clone() for t in list(towers.parameters()) + emb]
-with torch.no_grad():
-    for t, s in zip(list(towers.parameters()) + emb, state):
-        t.copy_(s)
+replayed = [t.detach().clone() for t in params]
+restore(state)
 eager_loss = step()
-torch.cuda.synchronize()
+if dev.type == "cuda":
+    torch.cuda.synchronize()
 torch.testing.assert_close(static_loss, eager_loss)  # cuBLAS may pick other kernels
-for a, b in zip(replayed, list(towers.parameters()) + emb):
+for a, b in zip(replayed, params):
     torch.testing.assert_close(a, b)
-print("one training step captured in a CUDA graph; replay equals eager; no host sync")
+# The unused key of no group: KTRegroupAsDict uses every key here; its gradient is finite.
+assert all(torch.isfinite(e.grad).all() for e in emb)
+print("one training step " + ("captured in a CUDA graph; replay equals eager; no host sync"
+      if dev.type == "cuda" else "run twice from one state on CPU (dry run: no graph)"))
 EOF
 
 # --- 4. the benchmark (seed layout, both duplicate settings, fwd and fwd+bwd) --------------
-# TODO(phase 2): flags once --device_type cuda lands (time limit, providers).
-step bench 170 "$PY" -m kt_regroup.bench --device_type cuda --output "$OUT/bench" \
-  --time_limit_s 150 --no_progress
+if [ "$DRY" = 1 ]; then
+  BENCH_ARGS=(--device_type cpu --preset quick --allocator default)
+else
+  BENCH_ARGS=(--device_type cuda --min_run_time 0.5 --time_limit_s 120)
+fi
+step bench 170 "$PY" -m kt_regroup.bench "${BENCH_ARGS[@]}" --layout seed --duplicates both \
+  --run_backward both --grad ones --no_serving --output "$OUT/bench" --no_progress
 if [ -f "$OUT/bench/table.md" ]; then
   { echo; echo "## Benchmark"; echo; cat "$OUT/bench/table.md"; } >>"$REPORT"
 fi
 
+# --- 5. the issue's goals, read from the table's rows ------------------------------------
+if [ -f "$OUT/bench/results.json" ]; then
+  "$PY" - "$OUT/bench/results.json" >"$OUT/goals.md" 2>&1 <<'EOF'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["records"]
+        if r["suite"] == "main" and r["allocator"] == "default" and r["n"] > 0]
+def find(mode, dup, prefix):
+    return next((r for r in rows if r["mode"] == mode and r["duplicates"] == dup
+                 and r["provider"].startswith(prefix)), None)
+print("| cell | kt_regroup GB/s | >= 90% of copy_ | <= FBGEMM time | peak <= FBGEMM |")
+print("|---|---|---|---|---|")
+verdict = lambda ok: "n/a" if ok is None else ("yes" if ok else "**NO**")
+gbps = {}
+for mode in dict.fromkeys(r["mode"] for r in rows):
+    for dup in (False, True):
+        kt = find(mode, dup, "kt_regroup.permute_multi_embedding [")
+        if kt is None:
+            continue
+        copy, fb = find(mode, dup, "limit: copy_"), find(mode, dup, "fbgemm.permute_multi_embedding")
+        bw = kt["bytes_moved"] / kt["p50_s"] / 1e9
+        gbps[(mode, dup)] = bw
+        print(f"| {mode} {'dup' if dup else 'no dup'} | {bw:.0f} "
+              f"| {verdict(copy and kt['p50_s'] <= copy['p50_s'] / 0.9)} "
+              f"| {verdict(fb and kt['p50_s'] <= fb['p50_s'])} "
+              f"| {verdict(fb and None not in (kt['mem_peak_bytes'], fb['mem_peak_bytes']) and kt['mem_peak_bytes'] <= fb['mem_peak_bytes'])} |")
+for mode in dict.fromkeys(m for m, _ in gbps):
+    if (mode, False) in gbps and (mode, True) in gbps:
+        print(f"\n{mode}: duplicates cost no more than no duplicates (GB/s, P50): "
+              f"{verdict(gbps[(mode, True)] >= 0.95 * gbps[(mode, False)])} "
+              f"({gbps[(mode, True)]:.0f} vs {gbps[(mode, False)]:.0f})")
+EOF
+  { echo; echo "## Goals (issue 11)"; echo; cat "$OUT/goals.md"; } >>"$REPORT"
+fi
+
 say ""
-say "Result: $([ $status -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED') (total $SECONDS s)"
+say "Result: $([ $status -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED') (total $SECONDS s)$([ "$DRY" = 1 ] && echo '; DRY RUN: nothing was measured on a GPU')"
 echo "[gpu_check] report: $REPORT" >&2
 exit $status

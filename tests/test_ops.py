@@ -435,9 +435,16 @@ def test_backend_reports_what_serves_cpu():
     import os
 
     backend = kt_regroup.backend("cpu")
-    assert backend in ("cpp", "reference")
-    if os.environ.get("KT_REGROUP_BACKEND") == "reference":
-        assert backend == "reference"
+    native = "cpp" if kt_regroup.library_path() is not None else "reference"
+    wanted = os.environ.get("KT_REGROUP_BACKEND", "auto")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    # A requested triton/fbgemm backend that cannot load falls back to the native kernel.
+    allowed = {
+        "reference": {"reference"},
+        "triton": {"triton", native} if interpreted else {native},
+        "fbgemm": {"fbgemm", native},
+    }.get(wanted, {native})
+    assert backend in allowed, (wanted, backend)
 
 
 @pytest.mark.skipif(

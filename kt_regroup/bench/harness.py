@@ -7,8 +7,9 @@ Each provider of a cell is timed on its own:
 * **Samples.** ``Timer.blocked_autorange(min_run_time)`` then times calls until they
   add up to ``min_run_time`` seconds (at least one; its block-size estimate makes one
   more untimed call). Calls shorter than ``min_run_time / 1000`` are timed in blocks of
-  10^k calls; a sample is then the mean of a block. On CUDA the timer synchronises the
-  device at both ends of a block.
+  10^k calls; a sample is then the mean of a block. On CUDA each call is a sample
+  instead, timed by a pair of CUDA events on the current stream around it (one
+  synchronisation at the end): P50/P90 are per-call device times, launch gaps included.
 * **Slow calls (CPU).** A provider whose warmup took ``2 * min_run_time`` or longer is
   not called again: that call is its one sample (its one-time costs, plan building, are
   milliseconds, lost in it; the factor 2 keeps one slow warmup of a fast provider from
@@ -27,6 +28,7 @@ Each provider of a cell is timed on its own:
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
@@ -128,6 +130,21 @@ def make_memory_probe(device: torch.device) -> MemoryProbe:
 # --- timing --------------------------------------------------------------------------------
 
 
+def cuda_event_times(fn: Callable[[], Any], min_run_time: float, max_calls: int = 10_000) -> list:
+    """Seconds of each call of ``fn`` between two CUDA events on the current stream;
+    calls until ``min_run_time`` seconds of host time have passed (at least one)."""
+    pairs = []
+    deadline = time.perf_counter() + min_run_time
+    while not pairs or (time.perf_counter() < deadline and len(pairs) < max_calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+
+
 def measure(
     cell: Cell,
     provider: Provider,
@@ -164,6 +181,10 @@ def measure(
             if seconds >= 2 * min_run_time and cell.device.type == "cpu":
                 times, number = [seconds], 1
                 rec["warmup"] = "counted"
+            elif cell.device.type == "cuda":
+                probe.start()
+                times, number = cuda_event_times(fn, min_run_time), 1
+                mem = probe.stop()
             else:
                 probe.start()
                 m = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(),

@@ -58,16 +58,27 @@ metadata is on the host; these kernels do not re-check them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import List, Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from kt_regroup.kernels.validation import (
+    check_backward_call,
+    check_forward_call,
+    check_into_outputs,
+    check_structure,
+)
+
 __all__ = [
     "MAX_TENSORS",
-    "permute_multi_embedding_triton",
+    "permute_multi_embedding_backward_op_triton",
     "permute_multi_embedding_backward_triton",
+    "permute_multi_embedding_into_triton",
+    "permute_multi_embedding_to_triton",
+    "permute_multi_embedding_triton",
 ]
 
 # Tensors addressed by one launch on each side (read, write). Their pointers, strides and
@@ -561,3 +572,79 @@ def _concatenated(
     rows[:, 1] = torch.where(valid, 0, -1)
     cat = torch.cat([g for g in grad_outputs if g is not None], dim=1)
     return [cat], rows
+
+
+# --- the ops' kernels (kt_regroup.ops registers them for CUDA, and CPU under the interpreter)
+# They check what the other kernels check. The plan's rows are bounds-checked where it is on
+# the host (CPU tensors); on a device they are not read back (no sync): the kernels clip
+# bad rows instead (see the module docstring). A dtype Triton does not take returns
+# NotImplemented: the op then runs the kernel that served the device before.
+
+
+def permute_multi_embedding_to_triton(
+    pooled_embs: List[torch.Tensor],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    out_lengths: List[int],
+    dtype: Optional[torch.dtype] = None,
+    op: str = "permute_multi_embedding_to",
+) -> List[torch.Tensor]:
+    """The op ``permute_multi_embedding_to`` (and, without ``dtype``,
+    ``permute_multi_embedding``). Inputs of different dtypes (the fused cast) are first
+    widened to their promoted dtype, exactly, in one extra copy of the narrower ones:
+    a launch reads one dtype. Inputs of one dtype take one pass."""
+    check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
+                       same_dtype=dtype is None)
+    dtypes = {t.dtype for t in pooled_embs}
+    if not dtypes <= set(_TL_DTYPE) or (dtype is not None and dtype not in _TL_DTYPE):
+        return NotImplemented
+    if len(dtypes) > 1:
+        wide = functools.reduce(torch.promote_types, dtypes)
+        pooled_embs = [t.to(wide) for t in pooled_embs]
+    return permute_multi_embedding_triton(
+        pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype=dtype
+    )
+
+
+def permute_multi_embedding_into_triton(
+    pooled_embs: List[torch.Tensor],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    outs: List[torch.Tensor],
+) -> None:
+    """The op ``permute_multi_embedding_into``: every element of ``outs`` written once."""
+    op = "permute_multi_embedding_into"
+    check_structure(op, "pooled_embs", pooled_embs, permutes, in_shapes, out_shapes,
+                    len(pooled_embs), [o.size(-1) for o in outs])
+    widths = check_into_outputs(op, pooled_embs, outs)
+    check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, widths,
+                       out_name="outs widths")
+    if pooled_embs[0].dtype not in _TL_DTYPE:
+        return NotImplemented
+    permute_multi_embedding_triton(
+        pooled_embs, permutes, in_shapes, out_shapes, widths, out=outs
+    )
+    return None
+
+
+def permute_multi_embedding_backward_op_triton(
+    grad_outputs: List[Optional[torch.Tensor]],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    in_lengths: List[int],
+    batch_size: int,
+    dtype: torch.dtype,
+) -> List[torch.Tensor]:
+    """The op ``permute_multi_embedding_backward``: checks, then
+    :func:`permute_multi_embedding_backward_triton`."""
+    check_backward_call("permute_multi_embedding_backward", grad_outputs, permutes, in_shapes,
+                        out_shapes, in_lengths, batch_size)
+    dtypes = {g.dtype for g in grad_outputs if g is not None}
+    if dtype not in _TL_DTYPE or not dtypes <= set(_TL_DTYPE) or len(dtypes) > 1:
+        return NotImplemented
+    return permute_multi_embedding_backward_triton(
+        grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype
+    )

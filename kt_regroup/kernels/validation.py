@@ -14,7 +14,7 @@ import torch
 
 from kt_regroup.plan import PERMUTE_COLUMNS
 
-__all__ = ["check_into_outputs", "check_rows", "check_structure"]
+__all__ = ["check_backward_call", "check_forward_call", "check_into_outputs", "check_rows", "check_structure"]
 
 
 def _check_tensor_list(
@@ -197,3 +197,39 @@ def check_into_outputs(op: str, pooled_embs, outs) -> List[int]:
                     "not alias each other"
                 )
     return [int(o.size(1)) for o in outs]
+
+
+# The checks of the device backends (Triton, FBGEMM): the plan's rows are bounds-checked
+# where it is on the host; on a device they are not read back (that would be a sync).
+
+
+def check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, out_widths,
+                       same_dtype: bool = True, out_name: str = "out_lengths") -> None:
+    check_structure(op, "pooled_embs", pooled_embs, permutes, in_shapes, out_shapes,
+                    len(pooled_embs), out_widths, same_dtype=same_dtype)
+    if permutes.device.type == "cpu":
+        check_rows(op, permutes, in_shapes, out_shapes, [t.size(1) for t in pooled_embs],
+                   [int(n) for n in out_widths], "pooled_embs widths", out_name)
+
+
+def check_backward_call(op, grad_outputs, permutes, in_shapes, out_shapes, in_lengths,
+                        batch_size) -> None:
+    check_structure(op, "grad_outputs", grad_outputs, permutes, in_shapes, out_shapes,
+                    len(in_lengths), in_lengths, allow_none=True)
+    if batch_size < 0:
+        raise ValueError(f"kt_regroup.{op}: batch_size is negative ({batch_size})")
+    for j, g in enumerate(grad_outputs):
+        if g is not None and g.size(0) != batch_size:
+            raise ValueError(
+                f"kt_regroup.{op}: grad_outputs[{j}] has {g.size(0)} rows, expected {batch_size}"
+            )
+    if permutes.device.type == "cpu":
+        out_widths = [int(n) for n in out_shapes.tolist()]
+        for j, g in enumerate(grad_outputs):
+            if g is not None and g.size(1) != out_widths[j]:
+                raise ValueError(
+                    f"kt_regroup.{op}: grad_outputs[{j}] has shape {tuple(g.shape)}, expected "
+                    f"({batch_size}, {out_widths[j]})"
+                )
+        check_rows(op, permutes, in_shapes, out_shapes, [int(n) for n in in_lengths],
+                   out_widths, "in_lengths", "out_shapes")
