@@ -186,6 +186,114 @@ def test_backward_strided_and_mixed_dtype_gradients_match_reference():
     assert_same_list(got, permute_multi_embedding_backward_reference(grads, *args, torch.int8))
 
 
+# Upstream gradients as autograd hands them over: any strides, stride 0 included.
+def _strided_grad(kind: str, batch: int, n: int, values: torch.Tensor) -> torch.Tensor:
+    """``values`` ([batch, n], contiguous) laid out as ``kind``; equal values, new strides."""
+    if kind == "contiguous":
+        return values
+    if kind == "transposed":  # strides (1, batch)
+        return values.t().contiguous().t()
+    if kind == "column-slice":  # row stride n + 5
+        wide = torch.zeros(batch, n + 5, dtype=values.dtype)
+        wide[:, 2 : 2 + n] = values
+        return wide[:, 2 : 2 + n]
+    if kind == "every-other":  # strides (2 * 2n, 2)
+        tall = torch.zeros(2 * batch, 2 * n, dtype=values.dtype)
+        tall[::2, ::2] = values
+        return tall[::2, ::2]
+    if kind == "expanded":  # strides (0, 0): what loss = out.sum() hands back
+        return values[:1, :1].expand(batch, n) if values.numel() else values
+    if kind == "expanded-rows":  # strides (0, 1)
+        return values[:1].expand(batch, n) if batch else values
+    if kind == "expanded-columns":  # strides (1, 0)
+        return values[:, :1].expand(batch, n) if n else values
+    raise AssertionError(kind)
+
+
+GRAD_KINDS = ["contiguous", "transposed", "column-slice", "every-other", "expanded",
+              "expanded-rows", "expanded-columns"]
+
+
+def _oracle_backward(layout, grads, batch, dtype):
+    """Input gradients by slicing: each group's gradient added to its keys' columns in
+    float64 (int64 for integers), then cast once."""
+    acc = torch.int64 if not dtype.is_floating_point else torch.float64
+    where = {}
+    for t, (tkeys, tlens) in enumerate(zip(layout.keys, layout.lengths)):
+        off = 0
+        for k, w in zip(tkeys, tlens):
+            where[k] = (t, off, w)
+            off += w
+    out = [torch.zeros(batch, w, dtype=acc) for w in layout.in_widths]
+    for g, group in zip(grads, layout.groups):
+        off = 0
+        for k in group:
+            t, in_off, w = where[k]
+            out[t][:, in_off : in_off + w] += g[:, off : off + w].to(acc)
+            off += w
+    return [o.to(dtype) for o in out]
+
+
+def _dyadic(batch, n, dtype, gen):
+    """Values every dtype holds exactly whose sums of a few are exact in float32: any
+    summation order then rounds to the same result as float64."""
+    if not dtype.is_floating_point:
+        return torch.randint(-128, 128, (batch, n), generator=gen).to(dtype)
+    return (torch.randint(-256, 256, (batch, n), generator=gen) / 16).to(dtype)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + [torch.int8, torch.int32], ids=dtype_ids)
+def test_backward_reads_any_gradient_strides_bit_exact(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for layout in LAYOUTS:
+        plan = RegroupPlan.build(*layout)
+        permutes, in_shapes, out_shapes, out_lengths = _metadata(layout, coalesced=True)
+        for batch in (0, 1, 6, 33):
+            args = (permutes, in_shapes, out_shapes, plan.in_lengths, batch, dtype)
+            for shift, kind in enumerate(GRAD_KINDS):
+                # One kind for all outputs, and the kinds mixed across outputs.
+                for kinds in ([kind] * len(out_lengths),
+                              [GRAD_KINDS[(shift + j) % len(GRAD_KINDS)]
+                               for j in range(len(out_lengths))]):
+                    dense = [_dyadic(batch, n, dtype, gen) for n in out_lengths]
+                    grads = [_strided_grad(k, batch, n, v)
+                             for k, v, n in zip(kinds, dense, out_lengths)]
+                    got = BACKWARD_OP(grads, *args)
+                    assert_same_list(got, _oracle_backward(layout, grads, batch, dtype))
+                    # Row-order float32 sums too (random values round): like the reference
+                    # on the same gradients made contiguous.
+                    if dtype.is_floating_point:
+                        rand = [torch.randn(batch, n, generator=gen, dtype=torch.float64)
+                                .to(dtype) for n in out_lengths]
+                        grads = [_strided_grad(k, batch, n, v)
+                                 for k, v, n in zip(kinds, rand, out_lengths)]
+                        want = permute_multi_embedding_backward_reference(
+                            [g.contiguous() for g in grads], *args)
+                        assert_same_list(BACKWARD_OP(grads, *args), want)
+
+
+@needs_cpp_autograd
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_ids)
+def test_sum_backward_reads_the_expanded_gradient_without_a_copy(dtype):
+    from torch.profiler import profile
+
+    for layout in LAYOUTS:
+        values = make_values(layout, 9, dtype, requires_grad=True)
+        outs = OP(values, *_metadata(layout, coalesced=True))
+        loss = sum(o.sum() for o in outs)
+        seed = torch.ones((), dtype=dtype)  # made here: backward() would fill one in
+        with profile() as prof:
+            loss.backward(seed)
+        names = {e.name for e in prof.events()}
+        assert "kt_regroup::permute_multi_embedding_backward" in names
+        assert not names & {"aten::contiguous", "aten::clone", "aten::copy_", "aten::zeros",
+                            "aten::zero_", "aten::fill_"}, names
+        # Each column's gradient: how many times its key is used.
+        ones = [torch.ones(9, n) for n in RegroupPlan.build(*layout).out_lengths]
+        assert_same_list([v.grad for v in values], _oracle_backward(layout, ones, 9, dtype))
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=dtype_ids)
 def test_autograd_gradients_are_exact(dtype):
