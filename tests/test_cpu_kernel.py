@@ -8,6 +8,11 @@ order and round once).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import (
@@ -575,3 +580,55 @@ def test_fused_cast_accepts_plan_tensors_made_under_inference_mode():
     sum(o.sum() for o in outs).backward()
     assert values[1].grad.dtype == torch.float32
     assert values[1].grad[:, 0].eq(3).all()  # 'c': twice in group 0, once in group 2
+
+
+# --- huge-page outputs ------------------------------------------------------------------
+
+HUGE_PAGE = 2 << 20
+
+
+def _large_case(batch=8200):
+    """SMALL_LAYOUT at a batch whose outputs and input gradients pass 4 MiB (fp32)."""
+    values = make_values(SMALL_LAYOUT, batch, requires_grad=True, seed=3)
+    return values, _metadata(SMALL_LAYOUT, coalesced=True)
+
+
+@needs_cpp_autograd
+def test_large_outputs_and_gradients_come_in_2mib_aligned_storage():
+    values, args = _large_case()
+    outs = OP(values, *args)
+    assert_same_list(outs, permute_multi_embedding_reference(values, *args))
+    grads = _grads(args[3], values[0].size(0), torch.float32, seed=4)
+    torch.autograd.backward(outs, grads)
+    plan = RegroupPlan.build(*SMALL_LAYOUT)
+    want = permute_multi_embedding_backward_reference(
+        grads, *args[:3], plan.in_lengths, values[0].size(0), torch.float32)
+    assert_same_list([v.grad for v in values], want)
+    large = [t for t in [*outs, *(v.grad for v in values)] if t.nbytes >= 4 << 20]
+    assert large, [t.nbytes for t in outs]
+    # Linux: 2 MiB-aligned (madvise'd) storage; elsewhere the default allocator.
+    if sys.platform == "linux":
+        assert all(t.data_ptr() % HUGE_PAGE == 0 for t in large)
+    # An ordinary storage: resizable (its allocator also serves the resize), shareable.
+    t = outs[1].detach()
+    before = t.clone()
+    t.resize_(t.size(0) * 2, t.size(1))
+    assert torch.equal(t[: before.size(0)], before)
+    t.resize_(3, t.size(1))
+    assert torch.equal(t, before[:3])
+
+
+@needs_cpu_kernel
+def test_huge_pages_can_be_turned_off():
+    code = (
+        "import torch, kt_regroup, sys; sys.path.insert(0, 'tests');"
+        "from test_cpu_kernel import _large_case, OP, permute_multi_embedding_reference;"
+        "from conftest import assert_same_list;"
+        "v, a = _large_case(); o = OP([x.detach() for x in v], *a);"
+        "assert_same_list(o, permute_multi_embedding_reference(v, *a)); print('ok')"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, KT_REGROUP_HUGE_PAGES="0")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -10,6 +10,7 @@
 // touched.
 
 #include "kt_regroup.h"
+#include "huge_pages.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -193,7 +194,7 @@ std::vector<at::Tensor> permute_multi_embedding_cpu(
   std::vector<at::Tensor> outs;
   outs.reserve(out_lengths.size());
   for (int64_t n : out_lengths) {
-    outs.push_back(tiled ? at::empty({batch, n}, options) : at::zeros({batch, n}, options));
+    outs.push_back(tiled ? empty_cpu({batch, n}, options) : zeros_cpu({batch, n}, options));
   }
   permute_forward_into(pooled_embs, segments, outs);
   return outs;
@@ -219,7 +220,7 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
   std::vector<at::Tensor> outs;
   outs.reserve(out_lengths.size());
   for (int64_t n : out_lengths) {
-    outs.push_back(tiled ? at::empty({batch, n}, options) : at::zeros({batch, n}, options));
+    outs.push_back(tiled ? empty_cpu({batch, n}, options) : zeros_cpu({batch, n}, options));
   }
   auto is_float = [](c10::ScalarType t) {
     return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
@@ -400,7 +401,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   const auto options = at::TensorOptions().dtype(dtype).device(device);
   std::vector<at::Tensor> out;
   out.reserve(n_in);
-  for (int64_t i = 0; i < n_in; ++i) out.push_back(at::empty({batch_size, in_widths[i]}, options));
+  for (int64_t i = 0; i < n_in; ++i) out.push_back(empty_cpu({batch_size, in_widths[i]}, options));
   if (batch_size == 0) return out;
 
   // Gradients are read in place with their own strides (only lazy conj/neg resolved).
