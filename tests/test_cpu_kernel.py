@@ -20,6 +20,8 @@ from conftest import (
     WIDTHS,
     assert_same_list,
     dtype_ids,
+    expected_regroup,
+    keyed_tensors,
     make_values,
     random_layout,
 )
@@ -632,3 +634,97 @@ def test_huge_pages_can_be_turned_off():
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+# --- the multi-threaded path ------------------------------------------------------------
+
+# Rows of 4-8 KiB: a batch of a few hundred rows is several of the kernel's 1 MiB grains,
+# so at::parallel_for splits it across threads.
+WIDE_LAYOUT = random_layout(21, n_inputs=3, keys_per_input=(3, 5), widths=(127, 255, 511))
+
+
+@pytest.fixture
+def four_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_ids)
+def test_multithreaded_forward_and_backward_match_the_oracle(four_threads, dtype):
+    batch = 777
+    plan = RegroupPlan.build(*WIDE_LAYOUT)
+    row_bytes = sum(plan.out_lengths) * dtype.itemsize
+    assert batch * row_bytes >= 4 << 20, "must span several 1 MiB grains"
+    values = make_values(WIDE_LAYOUT, batch, dtype, requires_grad=True, seed=5)
+    args = _metadata(WIDE_LAYOUT, coalesced=True)
+    outs = OP(values, *args)
+    assert_same_list(outs, expected_regroup(values, WIDE_LAYOUT))
+    gen = torch.Generator().manual_seed(6)
+    dense = [_dyadic(batch, n, dtype, gen) for n in plan.out_lengths]
+    for kind in ("contiguous", "transposed", "expanded-rows"):
+        grads = [_strided_grad(kind, batch, n, v) for n, v in zip(plan.out_lengths, dense)]
+        for v in values:
+            v.grad = None
+        torch.autograd.backward(OP(values, *args), grads)
+        assert_same_list([v.grad for v in values],
+                         _oracle_backward(WIDE_LAYOUT, grads, batch, dtype))
+
+
+@needs_cpu_kernel
+def test_one_module_from_8_threads_forward_and_backward(four_threads):
+    # One KTRegroupAsDict shared by 8 threads, each with its own key order (the plan is
+    # swapped under the others' feet) and batch sizes, on the kernel's parallel path.
+    import random
+    import threading
+
+    import kt_regroup
+
+    keys = [k for ks in WIDE_LAYOUT.keys for k in ks]
+    width = dict(zip(keys, [w for ws in WIDE_LAYOUT.lengths for w in ws]))
+    groups = WIDE_LAYOUT.groups
+    module = kt_regroup.KTRegroupAsDict(groups, [f"g{i}" for i in range(len(groups))])
+    cases = []
+    for t in range(8):
+        order = random.Random(t).sample(keys, len(keys))
+        cut = 1 + t % (len(keys) - 1)
+        layout = type(WIDE_LAYOUT)([order[:cut], order[cut:]],
+                                   [[width[k] for k in order[:cut]],
+                                    [width[k] for k in order[cut:]]], groups)
+        batch = 150 + 97 * t
+        values = make_values(layout, batch, requires_grad=True, seed=t)
+        ones = [torch.ones(batch, n) for n in RegroupPlan.build(*layout).out_lengths]
+        cases.append((layout, values, expected_regroup(values, layout),
+                      _oracle_backward(layout, ones, batch, torch.float32)))
+    failures: list = []
+    start = threading.Barrier(8)
+
+    def work(t: int) -> None:
+        layout, values, want, want_grads = cases[t]
+        kts = keyed_tensors(layout, [v.detach() for v in values])
+        start.wait()
+        for i in range(12):
+            try:
+                if i % 3:
+                    got = list(module(kts).values())
+                    ok = all(torch.equal(g, e) for g, e in zip(got, want))
+                else:
+                    leaves = [v.detach().requires_grad_() for v in values]
+                    got = list(module(keyed_tensors(layout, leaves)).values())
+                    sum(o.sum() for o in got).backward()
+                    ok = all(torch.equal(g, e) for g, e in zip(got, want)) and all(
+                        torch.equal(v.grad, e) for v, e in zip(leaves, want_grads))
+            except Exception as exc:  # noqa: BLE001  (an exception is a failure too)
+                failures.append((t, i, repr(exc)[:200]))
+                continue
+            if not ok:
+                failures.append((t, i, "wrong values"))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert failures == []
