@@ -8,6 +8,11 @@ order and round once).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import (
@@ -15,6 +20,8 @@ from conftest import (
     WIDTHS,
     assert_same_list,
     dtype_ids,
+    expected_regroup,
+    keyed_tensors,
     make_values,
     random_layout,
 )
@@ -184,6 +191,114 @@ def test_backward_strided_and_mixed_dtype_gradients_match_reference():
     grads = [torch.randint(-100, 100, (6, n), dtype=torch.int8) for n in out_lengths]
     got = BACKWARD_OP(grads, *args, torch.int8)
     assert_same_list(got, permute_multi_embedding_backward_reference(grads, *args, torch.int8))
+
+
+# Upstream gradients as autograd hands them over: any strides, stride 0 included.
+def _strided_grad(kind: str, batch: int, n: int, values: torch.Tensor) -> torch.Tensor:
+    """``values`` ([batch, n], contiguous) laid out as ``kind``; equal values, new strides."""
+    if kind == "contiguous":
+        return values
+    if kind == "transposed":  # strides (1, batch)
+        return values.t().contiguous().t()
+    if kind == "column-slice":  # row stride n + 5
+        wide = torch.zeros(batch, n + 5, dtype=values.dtype)
+        wide[:, 2 : 2 + n] = values
+        return wide[:, 2 : 2 + n]
+    if kind == "every-other":  # strides (2 * 2n, 2)
+        tall = torch.zeros(2 * batch, 2 * n, dtype=values.dtype)
+        tall[::2, ::2] = values
+        return tall[::2, ::2]
+    if kind == "expanded":  # strides (0, 0): what loss = out.sum() hands back
+        return values[:1, :1].expand(batch, n) if values.numel() else values
+    if kind == "expanded-rows":  # strides (0, 1)
+        return values[:1].expand(batch, n) if batch else values
+    if kind == "expanded-columns":  # strides (1, 0)
+        return values[:, :1].expand(batch, n) if n else values
+    raise AssertionError(kind)
+
+
+GRAD_KINDS = ["contiguous", "transposed", "column-slice", "every-other", "expanded",
+              "expanded-rows", "expanded-columns"]
+
+
+def _oracle_backward(layout, grads, batch, dtype):
+    """Input gradients by slicing: each group's gradient added to its keys' columns in
+    float64 (int64 for integers), then cast once."""
+    acc = torch.int64 if not dtype.is_floating_point else torch.float64
+    where = {}
+    for t, (tkeys, tlens) in enumerate(zip(layout.keys, layout.lengths)):
+        off = 0
+        for k, w in zip(tkeys, tlens):
+            where[k] = (t, off, w)
+            off += w
+    out = [torch.zeros(batch, w, dtype=acc) for w in layout.in_widths]
+    for g, group in zip(grads, layout.groups):
+        off = 0
+        for k in group:
+            t, in_off, w = where[k]
+            out[t][:, in_off : in_off + w] += g[:, off : off + w].to(acc)
+            off += w
+    return [o.to(dtype) for o in out]
+
+
+def _dyadic(batch, n, dtype, gen):
+    """Values every dtype holds exactly whose sums of a few are exact in float32: any
+    summation order then rounds to the same result as float64."""
+    if not dtype.is_floating_point:
+        return torch.randint(-128, 128, (batch, n), generator=gen).to(dtype)
+    return (torch.randint(-256, 256, (batch, n), generator=gen) / 16).to(dtype)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + [torch.int8, torch.int32], ids=dtype_ids)
+def test_backward_reads_any_gradient_strides_bit_exact(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for layout in LAYOUTS:
+        plan = RegroupPlan.build(*layout)
+        permutes, in_shapes, out_shapes, out_lengths = _metadata(layout, coalesced=True)
+        for batch in (0, 1, 6, 33):
+            args = (permutes, in_shapes, out_shapes, plan.in_lengths, batch, dtype)
+            for shift, kind in enumerate(GRAD_KINDS):
+                # One kind for all outputs, and the kinds mixed across outputs.
+                for kinds in ([kind] * len(out_lengths),
+                              [GRAD_KINDS[(shift + j) % len(GRAD_KINDS)]
+                               for j in range(len(out_lengths))]):
+                    dense = [_dyadic(batch, n, dtype, gen) for n in out_lengths]
+                    grads = [_strided_grad(k, batch, n, v)
+                             for k, v, n in zip(kinds, dense, out_lengths)]
+                    got = BACKWARD_OP(grads, *args)
+                    assert_same_list(got, _oracle_backward(layout, grads, batch, dtype))
+                    # Row-order float32 sums too (random values round): like the reference
+                    # on the same gradients made contiguous.
+                    if dtype.is_floating_point:
+                        rand = [torch.randn(batch, n, generator=gen, dtype=torch.float64)
+                                .to(dtype) for n in out_lengths]
+                        grads = [_strided_grad(k, batch, n, v)
+                                 for k, v, n in zip(kinds, rand, out_lengths)]
+                        want = permute_multi_embedding_backward_reference(
+                            [g.contiguous() for g in grads], *args)
+                        assert_same_list(BACKWARD_OP(grads, *args), want)
+
+
+@needs_cpp_autograd
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_ids)
+def test_sum_backward_reads_the_expanded_gradient_without_a_copy(dtype):
+    from torch.profiler import profile
+
+    for layout in LAYOUTS:
+        values = make_values(layout, 9, dtype, requires_grad=True)
+        outs = OP(values, *_metadata(layout, coalesced=True))
+        loss = sum(o.sum() for o in outs)
+        seed = torch.ones((), dtype=dtype)  # made here: backward() would fill one in
+        with profile() as prof:
+            loss.backward(seed)
+        names = {e.name for e in prof.events()}
+        assert "kt_regroup::permute_multi_embedding_backward" in names
+        assert not names & {"aten::contiguous", "aten::clone", "aten::copy_", "aten::zeros",
+                            "aten::zero_", "aten::fill_"}, names
+        # Each column's gradient: how many times its key is used.
+        ones = [torch.ones(9, n) for n in RegroupPlan.build(*layout).out_lengths]
+        assert_same_list([v.grad for v in values], _oracle_backward(layout, ones, 9, dtype))
 
 
 @needs_cpu_kernel
@@ -467,3 +582,149 @@ def test_fused_cast_accepts_plan_tensors_made_under_inference_mode():
     sum(o.sum() for o in outs).backward()
     assert values[1].grad.dtype == torch.float32
     assert values[1].grad[:, 0].eq(3).all()  # 'c': twice in group 0, once in group 2
+
+
+# --- huge-page outputs ------------------------------------------------------------------
+
+HUGE_PAGE = 2 << 20
+
+
+def _large_case(batch=8200):
+    """SMALL_LAYOUT at a batch whose outputs and input gradients pass 4 MiB (fp32)."""
+    values = make_values(SMALL_LAYOUT, batch, requires_grad=True, seed=3)
+    return values, _metadata(SMALL_LAYOUT, coalesced=True)
+
+
+@needs_cpp_autograd
+def test_large_outputs_and_gradients_come_in_2mib_aligned_storage():
+    values, args = _large_case()
+    outs = OP(values, *args)
+    assert_same_list(outs, permute_multi_embedding_reference(values, *args))
+    grads = _grads(args[3], values[0].size(0), torch.float32, seed=4)
+    torch.autograd.backward(outs, grads)
+    plan = RegroupPlan.build(*SMALL_LAYOUT)
+    want = permute_multi_embedding_backward_reference(
+        grads, *args[:3], plan.in_lengths, values[0].size(0), torch.float32)
+    assert_same_list([v.grad for v in values], want)
+    large = [t for t in [*outs, *(v.grad for v in values)] if t.nbytes >= 4 << 20]
+    assert large, [t.nbytes for t in outs]
+    # Linux: 2 MiB-aligned (madvise'd) storage; elsewhere the default allocator.
+    if sys.platform == "linux":
+        assert all(t.data_ptr() % HUGE_PAGE == 0 for t in large)
+    # An ordinary storage: resizable (its allocator also serves the resize), shareable.
+    t = outs[1].detach()
+    before = t.clone()
+    t.resize_(t.size(0) * 2, t.size(1))
+    assert torch.equal(t[: before.size(0)], before)
+    t.resize_(3, t.size(1))
+    assert torch.equal(t, before[:3])
+
+
+@needs_cpu_kernel
+def test_huge_pages_can_be_turned_off():
+    code = (
+        "import torch, kt_regroup, sys; sys.path.insert(0, 'tests');"
+        "from test_cpu_kernel import _large_case, OP, permute_multi_embedding_reference;"
+        "from conftest import assert_same_list;"
+        "v, a = _large_case(); o = OP([x.detach() for x in v], *a);"
+        "assert_same_list(o, permute_multi_embedding_reference(v, *a)); print('ok')"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, KT_REGROUP_HUGE_PAGES="0")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+# --- the multi-threaded path ------------------------------------------------------------
+
+# Rows of 4-8 KiB: a batch of a few hundred rows is several of the kernel's 1 MiB grains,
+# so at::parallel_for splits it across threads.
+WIDE_LAYOUT = random_layout(21, n_inputs=3, keys_per_input=(3, 5), widths=(127, 255, 511))
+
+
+@pytest.fixture
+def four_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_ids)
+def test_multithreaded_forward_and_backward_match_the_oracle(four_threads, dtype):
+    batch = 777
+    plan = RegroupPlan.build(*WIDE_LAYOUT)
+    row_bytes = sum(plan.out_lengths) * dtype.itemsize
+    assert batch * row_bytes >= 4 << 20, "must span several 1 MiB grains"
+    values = make_values(WIDE_LAYOUT, batch, dtype, requires_grad=True, seed=5)
+    args = _metadata(WIDE_LAYOUT, coalesced=True)
+    outs = OP(values, *args)
+    assert_same_list(outs, expected_regroup(values, WIDE_LAYOUT))
+    gen = torch.Generator().manual_seed(6)
+    dense = [_dyadic(batch, n, dtype, gen) for n in plan.out_lengths]
+    for kind in ("contiguous", "transposed", "expanded-rows"):
+        grads = [_strided_grad(kind, batch, n, v) for n, v in zip(plan.out_lengths, dense)]
+        for v in values:
+            v.grad = None
+        torch.autograd.backward(OP(values, *args), grads)
+        assert_same_list([v.grad for v in values],
+                         _oracle_backward(WIDE_LAYOUT, grads, batch, dtype))
+
+
+@needs_cpu_kernel
+def test_one_module_from_8_threads_forward_and_backward(four_threads):
+    # One KTRegroupAsDict shared by 8 threads, each with its own key order (the plan is
+    # swapped under the others' feet) and batch sizes, on the kernel's parallel path.
+    import random
+    import threading
+
+    import kt_regroup
+
+    keys = [k for ks in WIDE_LAYOUT.keys for k in ks]
+    width = dict(zip(keys, [w for ws in WIDE_LAYOUT.lengths for w in ws]))
+    groups = WIDE_LAYOUT.groups
+    module = kt_regroup.KTRegroupAsDict(groups, [f"g{i}" for i in range(len(groups))])
+    cases = []
+    for t in range(8):
+        order = random.Random(t).sample(keys, len(keys))
+        cut = 1 + t % (len(keys) - 1)
+        layout = type(WIDE_LAYOUT)([order[:cut], order[cut:]],
+                                   [[width[k] for k in order[:cut]],
+                                    [width[k] for k in order[cut:]]], groups)
+        batch = 150 + 97 * t
+        values = make_values(layout, batch, requires_grad=True, seed=t)
+        ones = [torch.ones(batch, n) for n in RegroupPlan.build(*layout).out_lengths]
+        cases.append((layout, values, expected_regroup(values, layout),
+                      _oracle_backward(layout, ones, batch, torch.float32)))
+    failures: list = []
+    start = threading.Barrier(8)
+
+    def work(t: int) -> None:
+        layout, values, want, want_grads = cases[t]
+        kts = keyed_tensors(layout, [v.detach() for v in values])
+        start.wait()
+        for i in range(12):
+            try:
+                if i % 3:
+                    got = list(module(kts).values())
+                    ok = all(torch.equal(g, e) for g, e in zip(got, want))
+                else:
+                    leaves = [v.detach().requires_grad_() for v in values]
+                    got = list(module(keyed_tensors(layout, leaves)).values())
+                    sum(o.sum() for o in got).backward()
+                    ok = all(torch.equal(g, e) for g, e in zip(got, want)) and all(
+                        torch.equal(v.grad, e) for v, e in zip(leaves, want_grads))
+            except Exception as exc:  # noqa: BLE001  (an exception is a failure too)
+                failures.append((t, i, repr(exc)[:200]))
+                continue
+            if not ok:
+                failures.append((t, i, "wrong values"))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert failures == []

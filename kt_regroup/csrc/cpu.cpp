@@ -2,11 +2,15 @@
 //
 // Forward is a row-major byte copy: for each batch row (rows split across threads),
 // copy every coalesced segment, so each output row is written sequentially. Backward
-// makes one pass per input-gradient row: the first contribution to a column block is
-// copied, later ones (duplicated keys) are added, and only the columns no key covers
-// are zeroed. Arguments are checked (ops.cpp) before any data is touched.
+// makes one pass per input-gradient row and writes each element once: a column block
+// with one contribution is copied (or filled, for a broadcast upstream gradient), one
+// with several (duplicated keys) is summed in row order, and only the columns no key
+// covers are zeroed. Upstream gradients are read with their own strides, stride 0
+// included, never materialised. Arguments are checked (ops.cpp) before any data is
+// touched.
 
 #include "kt_regroup.h"
+#include "huge_pages.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace kt_regroup {
 namespace {
@@ -189,7 +194,7 @@ std::vector<at::Tensor> permute_multi_embedding_cpu(
   std::vector<at::Tensor> outs;
   outs.reserve(out_lengths.size());
   for (int64_t n : out_lengths) {
-    outs.push_back(tiled ? at::empty({batch, n}, options) : at::zeros({batch, n}, options));
+    outs.push_back(tiled ? empty_cpu({batch, n}, options) : zeros_cpu({batch, n}, options));
   }
   permute_forward_into(pooled_embs, segments, outs);
   return outs;
@@ -215,7 +220,7 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
   std::vector<at::Tensor> outs;
   outs.reserve(out_lengths.size());
   for (int64_t n : out_lengths) {
-    outs.push_back(tiled ? at::empty({batch, n}, options) : at::zeros({batch, n}, options));
+    outs.push_back(tiled ? empty_cpu({batch, n}, options) : zeros_cpu({batch, n}, options));
   }
   auto is_float = [](c10::ScalarType t) {
     return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
@@ -269,64 +274,94 @@ void permute_multi_embedding_into_cpu(
 
 // One column block of an input-gradient row and where its values come from.
 struct GradBlock {
-  char* dst;
-  int64_t dst_stride;
+  int64_t dst_off;  // element offset in the input-gradient row
   int64_t numel;
   int64_t first;  // index of its first source in `sources`
   int64_t count;  // 0: zeros; 1: copy; more: sum in row order
+  int64_t out_i;  // which input gradient
+  bool unit;  // every source has unit column stride (or one column)
 };
+// Element (b, c) of a source is at base + b * row_stride + c * col_stride (elements).
+// Strides come straight from the upstream gradient: 0 for broadcast (expanded) rows or
+// columns, anything for transposed or sliced ones; nothing is materialised.
 struct GradSource {
-  const char* src;
-  int64_t src_stride;
+  const void* base;
+  int64_t row_stride;
+  int64_t col_stride;
 };
+
+template <typename scalar_t>
+using acc_type_t = std::conditional_t<
+    std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>, float,
+    scalar_t>;
+
+// d[c] = sum over sources k, in row order, of s_k[c]; each d[c] written once, float16 /
+// bfloat16 accumulated in float32 and rounded once.
+template <typename scalar_t, bool kUnit>
+void sum_sources(scalar_t* d, const GradSource* src, int64_t count, int64_t numel, int64_t b) {
+  using acc_t = acc_type_t<scalar_t>;
+  constexpr int64_t kChunk = 512;  // fits L1 next to the rows it reads
+  acc_t acc[kChunk];
+  for (int64_t c0 = 0; c0 < numel; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, numel - c0);
+    for (int64_t k = 0; k < count; ++k) {
+      const GradSource& g = src[k];
+      const scalar_t* s = static_cast<const scalar_t*>(g.base) + b * g.row_stride;
+      if constexpr (kUnit) {
+        s += c0;
+        if (k == 0) {
+          for (int64_t c = 0; c < n; ++c) acc[c] = static_cast<acc_t>(s[c]);
+        } else {
+          for (int64_t c = 0; c < n; ++c) acc[c] += static_cast<acc_t>(s[c]);
+        }
+      } else {
+        const int64_t cs = g.col_stride;
+        s += c0 * cs;
+        if (k == 0) {
+          for (int64_t c = 0; c < n; ++c) acc[c] = static_cast<acc_t>(s[c * cs]);
+        } else {
+          for (int64_t c = 0; c < n; ++c) acc[c] += static_cast<acc_t>(s[c * cs]);
+        }
+      }
+    }
+    for (int64_t c = 0; c < n; ++c) d[c0 + c] = static_cast<scalar_t>(acc[c]);
+  }
+}
 
 template <typename scalar_t>
 void backward_rows(
     int64_t batch,
     const std::vector<GradBlock>& blocks,
     const std::vector<GradSource>& sources,
+    const std::vector<std::pair<char*, int64_t>>& dsts,  // input gradient: base, row stride
     int64_t bytes_per_row) {
-  constexpr bool kReduced =
-      std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>;
-  int64_t widest_sum = 0;
-  for (const GradBlock& g : blocks) {
-    if (g.count > 1) widest_sum = std::max(widest_sum, g.numel);
-  }
+  constexpr int64_t es = sizeof(scalar_t);
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
-    std::vector<float> acc(kReduced ? widest_sum : 0);
     for (int64_t b = b0; b < b1; ++b) {
       for (const GradBlock& g : blocks) {
-        char* dst = g.dst + b * g.dst_stride;
-        const int64_t nbytes = g.numel * static_cast<int64_t>(sizeof(scalar_t));
-        if (g.count == 0) {
-          std::memset(dst, 0, nbytes);
+        scalar_t* d = reinterpret_cast<scalar_t*>(dsts[g.out_i].first + b * dsts[g.out_i].second) +
+            g.dst_off;
+        if (g.count == 0) {  // columns of keys no group uses
+          std::memset(d, 0, g.numel * es);
           continue;
         }
         const GradSource* src = sources.data() + g.first;
         if (g.count == 1) {
-          std::memcpy(dst, src[0].src + b * src[0].src_stride, nbytes);
+          const scalar_t* s = static_cast<const scalar_t*>(src->base) + b * src->row_stride;
+          if (g.unit) {
+            copy_segment(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), g.numel * es);
+          } else if (src->col_stride == 0) {  // a broadcast row: out.sum() and friends
+            std::fill_n(d, g.numel, *s);
+          } else {
+            const int64_t cs = src->col_stride;
+            for (int64_t c = 0; c < g.numel; ++c) d[c] = s[c * cs];
+          }
           continue;
         }
-        scalar_t* d = reinterpret_cast<scalar_t*>(dst);
-        auto row = [&](int64_t k) {
-          return reinterpret_cast<const scalar_t*>(src[k].src + b * src[k].src_stride);
-        };
-        if constexpr (kReduced) {
-          // float32 accumulation in row order, rounded once: what the reference does.
-          float* a = acc.data();
-          const scalar_t* s0 = row(0);
-          for (int64_t c = 0; c < g.numel; ++c) a[c] = static_cast<float>(s0[c]);
-          for (int64_t k = 1; k < g.count; ++k) {
-            const scalar_t* s = row(k);
-            for (int64_t c = 0; c < g.numel; ++c) a[c] += static_cast<float>(s[c]);
-          }
-          for (int64_t c = 0; c < g.numel; ++c) d[c] = static_cast<scalar_t>(a[c]);
+        if (g.unit) {
+          sum_sources<scalar_t, true>(d, src, g.count, g.numel, b);
         } else {
-          std::memcpy(dst, src[0].src + b * src[0].src_stride, nbytes);
-          for (int64_t k = 1; k < g.count; ++k) {
-            const scalar_t* s = row(k);
-            for (int64_t c = 0; c < g.numel; ++c) d[c] += s[c];
-          }
+          sum_sources<scalar_t, false>(d, src, g.count, g.numel, b);
         }
       }
     }
@@ -366,12 +401,17 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   const auto options = at::TensorOptions().dtype(dtype).device(device);
   std::vector<at::Tensor> out;
   out.reserve(n_in);
-  for (int64_t i = 0; i < n_in; ++i) out.push_back(at::empty({batch_size, in_widths[i]}, options));
+  for (int64_t i = 0; i < n_in; ++i) out.push_back(empty_cpu({batch_size, in_widths[i]}, options));
   if (batch_size == 0) return out;
 
+  // Gradients are read in place with their own strides (only lazy conj/neg resolved).
   std::vector<at::Tensor> readable(grads.size());
   for (size_t j = 0; j < grads.size(); ++j) {
-    if (grads[j]) readable[j] = rows_readable(*grads[j]);
+    if (!grads[j]) continue;
+    at::Tensor r = *grads[j];
+    if (r.is_conj()) r = r.resolve_conj();
+    if (r.is_neg()) r = r.resolve_neg();
+    readable[j] = std::move(r);
   }
   const int64_t es = c10::elementSize(dtype);
 
@@ -379,6 +419,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   // row order, then merge neighbouring pieces whose sources continue contiguously.
   std::vector<GradBlock> blocks;
   std::vector<GradSource> sources;
+  std::vector<std::pair<char*, int64_t>> dsts;
   int64_t bytes_per_row = 0;
   std::vector<std::vector<const Segment*>> by_input(n_in);
   for (const Segment& s : segments) {
@@ -389,11 +430,10 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
     int64_t out_off;
   };
   for (int64_t i = 0; i < n_in; ++i) {
+    dsts.emplace_back(static_cast<char*>(out[i].data_ptr()), out[i].stride(0) * es);
     const int64_t width = in_widths[i];
     if (width == 0) continue;
     bytes_per_row += width * es;
-    char* base = static_cast<char*>(out[i].data_ptr());
-    const int64_t dst_stride = out[i].stride(0) * es;
     const auto& segs = by_input[i];
     std::vector<int64_t> cuts{0, width};
     for (const Segment* s : segs) {
@@ -425,23 +465,26 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
         ++end;
       }
       GradBlock g;
-      g.dst = base + cuts[k] * es;
-      g.dst_stride = dst_stride;
+      g.dst_off = cuts[k];
       g.numel = cuts[end] - cuts[k];
       g.first = static_cast<int64_t>(sources.size());
       g.count = static_cast<int64_t>(pieces[k].size());
+      g.out_i = i;
+      g.unit = true;
       for (const Piece& p : pieces[k]) {
         const at::Tensor& src = readable[p.out_t];
+        const int64_t cs = src.stride(1);
+        g.unit = g.unit && (cs == 1 || g.numel == 1);
         sources.push_back(GradSource{
-            static_cast<const char*>(src.const_data_ptr()) + p.out_off * es,
-            src.stride(0) * es});
+            static_cast<const char*>(src.const_data_ptr()) + p.out_off * cs * es, src.stride(0),
+            cs});
       }
       blocks.push_back(g);
       k = end;
     }
   }
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
-    backward_rows<scalar_t>(batch_size, blocks, sources, bytes_per_row);
+    backward_rows<scalar_t>(batch_size, blocks, sources, dsts, bytes_per_row);
   });
   return out;
 }
