@@ -8,14 +8,28 @@ unused, because those are the cases regroup kernels get wrong.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import kt_regroup  # noqa: F401  (registers torch.ops.kt_regroup)
+
+# Hypothesis profiles. `ci` (the default) is fixed-seed and fast; `long` runs thousands of
+# examples per property: KT_REGROUP_HYPOTHESIS_PROFILE=long or --hypothesis-profile long.
+settings.register_profile(
+    "ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "long", max_examples=1000, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("KT_REGROUP_HYPOTHESIS_PROFILE", "ci"))
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # Dtypes FBGEMM's permute_multi_embedding accepts (it has no float64 kernel).
