@@ -40,7 +40,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from kt_regroup.kernels import reference
-from kt_regroup.kernels.validation import check_structure
+from kt_regroup.kernels.validation import check_into_outputs, check_structure
 from kt_regroup.plan import PERMUTE_COLUMNS, get_plan
 
 logger = logging.getLogger(__name__)
@@ -312,6 +312,8 @@ def _permute_to_fake(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, 
 def _(pooled_embs, permutes, in_shapes, out_shapes, outs):
     check_structure("permute_multi_embedding_into", "pooled_embs", pooled_embs, permutes,
                     in_shapes, out_shapes, len(pooled_embs), [o.size(-1) for o in outs])
+    # Meta inputs next to real outs land here too: the outs are checked, not skipped.
+    check_into_outputs("permute_multi_embedding_into", pooled_embs, outs, overlap=False)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::permute_multi_embedding_backward")

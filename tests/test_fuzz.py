@@ -308,12 +308,6 @@ def run_case(seed: int) -> str:
         return f"raised {type(raised).__name__}"
     if ref_raised is not None:
         data = [t for t in _tensors(args[0]) if t is not None]
-        if op == "permute_multi_embedding_into" and any(t.is_meta for t in data) and not all(
-            o.is_meta for o in args[4]
-        ):
-            # Known, reported: the fake kernel (ops.py) does not check the outs' device.
-            # test_into_with_meta_inputs_and_real_outs_raises fails (xfail) until it does.
-            return "KNOWN into: meta inputs, real outs"
         if all(t.is_meta for t in data) and all(t.is_meta for t in _tensors(result)):
             # Meta data: shapes only, computed by the fake kernel; the reference reads the
             # metadata's values, which meta tensors do not have.
@@ -389,8 +383,6 @@ def test_fuzz_every_op_in_child_processes():
     print(f"fuzz cases: {sum(total.values())} {dict(total)}")
 
 
-@pytest.mark.xfail(strict=True, reason="ops.py's fake kernel of permute_multi_embedding_into "
-                   "does not check the outs' device (reported; remove this mark with the fix)")
 def test_into_with_meta_inputs_and_real_outs_raises():
     # Fuzz case 566: meta inputs dispatch to the fake kernel, which returns without a
     # word: the caller's real outs are never written.

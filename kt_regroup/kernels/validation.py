@@ -153,9 +153,10 @@ def _span(t: torch.Tensor):
     return lo, lo + t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
 
 
-def check_into_outputs(op: str, pooled_embs, outs) -> List[int]:
-    """Caller-owned outputs: shape, dtype, device, unit column stride, no overlap with
-    the inputs or each other. Returns their widths."""
+def check_into_outputs(op: str, pooled_embs, outs, overlap: bool = True) -> List[int]:
+    """Caller-owned outputs: shape, dtype, device, unit column stride and (``overlap``,
+    where tensors have data) no overlap with the inputs or each other. Returns their
+    widths."""
     first = pooled_embs[0]
     for j, o in enumerate(outs):
         if o.dim() != 2 or o.size(0) != first.size(0):
@@ -183,7 +184,7 @@ def check_into_outputs(op: str, pooled_embs, outs) -> List[int]:
         (alo, ahi), (blo, bhi) = _span(a), _span(b)
         return alo < bhi and blo < ahi
 
-    for j, o in enumerate(outs):
+    for j, o in enumerate(outs if overlap else []):
         for i, t in enumerate(pooled_embs):
             if overlaps(o, t):
                 raise ValueError(
