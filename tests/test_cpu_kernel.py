@@ -728,3 +728,26 @@ def test_one_module_from_8_threads_forward_and_backward(four_threads):
     for th in threads:
         th.join()
     assert failures == []
+
+
+@needs_cpp_autograd
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_ids)
+def test_streaming_stores_past_32mib_match_the_oracle(dtype):
+    # Outputs and gradients past 32 MiB (in huge pages, or the _into op's) are written
+    # with non-temporal stores; odd widths
+    # (1, 3, 7, 127) put segment edges off 16-byte alignment.
+    batch = (33 << 20) // (139 * dtype.itemsize)
+    values = make_values(SMALL_LAYOUT, batch, dtype, requires_grad=True, seed=8)
+    args = _metadata(SMALL_LAYOUT, coalesced=False)
+    outs = OP(values, *args)
+    assert sum(o.nbytes for o in outs) >= 32 << 20
+    assert_same_list(outs, expected_regroup(values, SMALL_LAYOUT))
+    into = [torch.full_like(o, 7) for o in outs]  # caller-owned memory streams too
+    INTO_OP([v.detach() for v in values], *args[:3], into)
+    assert_same_list(into, outs)
+    gen = torch.Generator().manual_seed(9)
+    for kind in ("contiguous", "expanded", "expanded-rows"):
+        dense = [_dyadic(batch, n, dtype, gen) for n in args[3]]
+        grads = [_strided_grad(kind, batch, n, v) for n, v in zip(args[3], dense)]
+        got = torch.autograd.grad(outs, values, grads, retain_graph=True)
+        assert_same_list(got, _oracle_backward(SMALL_LAYOUT, grads, batch, dtype))

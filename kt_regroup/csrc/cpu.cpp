@@ -19,6 +19,9 @@
 
 #include <algorithm>
 #include <cstring>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <type_traits>
 
 namespace kt_regroup {
@@ -49,6 +52,71 @@ inline void copy_segment(char* dst, const char* src, int64_t n) {
   for (; n >= 16; n -= 16, dst += 16, src += 16) std::memcpy(dst, src, 16);
   for (; n >= 4; n -= 4, dst += 4, src += 4) std::memcpy(dst, src, 4);
   for (; n > 0; --n) *dst++ = *src++;
+}
+
+#if defined(__SSE2__)
+// copy_segment with non-temporal (streaming) stores: the destination's cache lines are
+// not read first (no read-for-ownership) and do not evict the rows being read. A thread
+// ends its streaming with stream_fence().
+inline void stream_segment(char* dst, const char* src, int64_t n) {
+  const int64_t head = std::min<int64_t>(n, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
+  copy_segment(dst, src, head);
+  dst += head, src += head, n -= head;
+  for (; n >= 64; n -= 64, dst += 64, src += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+  }
+  for (; n >= 16; n -= 16, dst += 16, src += 16) {
+    _mm_stream_si128(
+        reinterpret_cast<__m128i*>(dst), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  }
+  copy_segment(dst, src, n);
+}
+inline void stream_fence() {
+  _mm_sfence();
+}
+// std::fill_n with streaming stores (element sizes dividing 16 bytes).
+template <typename T>
+void stream_fill(T* d, int64_t n, T value) {
+  static_assert(16 % sizeof(T) == 0);
+  int64_t head = ((16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15) / int64_t(sizeof(T));
+  if (reinterpret_cast<uintptr_t>(d) % sizeof(T) != 0 || head > n) head = n;
+  std::fill_n(d, head, value);
+  d += head, n -= head;
+  alignas(16) T pattern[16 / sizeof(T)];
+  std::fill_n(pattern, 16 / sizeof(T), value);
+  const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(pattern));
+  constexpr int64_t per = 16 / sizeof(T);
+  for (; n >= per; n -= per, d += per) _mm_stream_si128(reinterpret_cast<__m128i*>(d), v);
+  std::fill_n(d, n, value);
+}
+#else
+template <typename T>
+void stream_fill(T* d, int64_t n, T value) {
+  std::fill_n(d, n, value);
+}
+inline void stream_segment(char* dst, const char* src, int64_t n) {
+  copy_segment(dst, src, n);
+}
+inline void stream_fence() {}
+#endif
+
+// Copies that write more than this stream their stores (stream_segment): far past any
+// last-level cache, where the output would not stay cached anyway.
+constexpr int64_t kStreamBytes = int64_t(32) << 20;
+
+// Whether a copy writing `bytes` streams its stores. Into memory that exists (the _into
+// op) and into fresh huge pages, streaming measured ~0.7-0.9x the time of normal stores
+// (scattered seed layout, 505 MB). Into fresh 4 KiB pages it measured no faster, or
+// slower: each page the fault has just zeroed is still cached.
+bool use_streaming(int64_t bytes, bool fresh) {
+  return bytes >= kStreamBytes && (!fresh || huge_pages_enabled());
 }
 
 int64_t grain_rows(int64_t bytes_per_row) {
@@ -128,10 +196,12 @@ void permute_convert_into(
   });
 }
 
+// `fresh`: the outputs were just allocated (by empty_cpu / zeros_cpu).
 void permute_forward_into(
     at::TensorList pooled_embs,
     const std::vector<Segment>& segments,
-    at::TensorList outs) {
+    at::TensorList outs,
+    bool fresh) {
   const int64_t batch = pooled_embs[0].size(0);
   if (batch == 0 || segments.empty()) return;
   // A byte copy: the segments' inputs have the outputs' dtype (the fused cast sends
@@ -167,6 +237,18 @@ void permute_forward_into(
   }
   const Copy* cs = copies.data();
   const size_t n = copies.size();
+  if (use_streaming(batch * bytes_per_row, fresh)) {
+    at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        for (size_t k = 0; k < n; ++k) {
+          const Copy& c = cs[k];
+          stream_segment(c.dst + b * c.dst_stride, c.src + b * c.src_stride, c.nbytes);
+        }
+      }
+      stream_fence();
+    });
+    return;
+  }
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (size_t k = 0; k < n; ++k) {
@@ -196,7 +278,7 @@ std::vector<at::Tensor> permute_multi_embedding_cpu(
   for (int64_t n : out_lengths) {
     outs.push_back(tiled ? empty_cpu({batch, n}, options) : zeros_cpu({batch, n}, options));
   }
-  permute_forward_into(pooled_embs, segments, outs);
+  permute_forward_into(pooled_embs, segments, outs, /*fresh=*/true);
   return outs;
 }
 
@@ -237,7 +319,7 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
   }
   for (const auto& [in_dtype, segs] : passes) {
     if (in_dtype == out_dtype) {
-      permute_forward_into(pooled_embs, segs, outs);
+      permute_forward_into(pooled_embs, segs, outs, /*fresh=*/true);
     } else if (is_float(in_dtype) && is_float(out_dtype)) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in_dtype, "kt_regroup_to", [&] {
         using src_t = scalar_t;
@@ -267,7 +349,7 @@ void permute_multi_embedding_into_cpu(
     at::TensorList outs) {
   const std::vector<Segment> segments =
       prepare_into(pooled_embs, permutes, in_shapes, out_shapes, outs);
-  permute_forward_into(pooled_embs, segments, outs);
+  permute_forward_into(pooled_embs, segments, outs, /*fresh=*/false);
 }
 
 // ---- backward -------------------------------------------------------------------------
@@ -336,6 +418,8 @@ void backward_rows(
     const std::vector<std::pair<char*, int64_t>>& dsts,  // input gradient: base, row stride
     int64_t bytes_per_row) {
   constexpr int64_t es = sizeof(scalar_t);
+  // Past the caches: streaming stores for copies and fills (sums keep normal stores).
+  const bool stream = use_streaming(batch * bytes_per_row, /*fresh=*/true);
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (const GradBlock& g : blocks) {
@@ -349,9 +433,17 @@ void backward_rows(
         if (g.count == 1) {
           const scalar_t* s = static_cast<const scalar_t*>(src->base) + b * src->row_stride;
           if (g.unit) {
-            copy_segment(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), g.numel * es);
+            if (stream) {
+              stream_segment(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), g.numel * es);
+            } else {
+              copy_segment(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), g.numel * es);
+            }
           } else if (src->col_stride == 0) {  // a broadcast row: out.sum() and friends
-            std::fill_n(d, g.numel, *s);
+            if (stream) {
+              stream_fill(d, g.numel, *s);
+            } else {
+              std::fill_n(d, g.numel, *s);
+            }
           } else {
             const int64_t cs = src->col_stride;
             for (int64_t c = 0; c < g.numel; ++c) d[c] = s[c * cs];
@@ -365,6 +457,7 @@ void backward_rows(
         }
       }
     }
+    if (stream) stream_fence();
   });
 }
 
