@@ -47,23 +47,6 @@ def has_kernel(dispatch_key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, dispatch_key)
 
 
-def permute_multi_embedding_fbgemm(
-    pooled_embs: Sequence[torch.Tensor],
-    permutes: torch.Tensor,
-    in_shapes: torch.Tensor,
-    out_shapes: torch.Tensor,
-    out_lengths: Sequence[int],
-) -> List[torch.Tensor]:
-    check_forward_call("permute_multi_embedding", pooled_embs, permutes, in_shapes, out_shapes,
-                       out_lengths)
-    dtypes = {t.dtype for t in pooled_embs}
-    if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
-        return NotImplemented  # FBGEMM allocates every output like pooled_embs[0]
-    return list(torch.ops.fbgemm.permute_multi_embedding_function(
-        list(pooled_embs), permutes, in_shapes, out_shapes, list(out_lengths), False
-    ))
-
-
 def permute_multi_embedding_to_fbgemm(
     pooled_embs: Sequence[torch.Tensor],
     permutes: torch.Tensor,
@@ -71,12 +54,30 @@ def permute_multi_embedding_to_fbgemm(
     out_shapes: torch.Tensor,
     out_lengths: Sequence[int],
     dtype: Optional[torch.dtype] = None,
+    op: str = "permute_multi_embedding_to",
 ) -> List[torch.Tensor]:
-    check_forward_call("permute_multi_embedding_to", pooled_embs, permutes, in_shapes,
-                       out_shapes, out_lengths, same_dtype=dtype is None)
-    if dtype is not None and any(t.dtype != dtype for t in pooled_embs):
-        return NotImplemented  # no fused cast in FBGEMM
-    return permute_multi_embedding_fbgemm(pooled_embs, permutes, in_shapes, out_shapes, out_lengths)
+    """The op ``permute_multi_embedding_to`` (and, without ``dtype``,
+    ``permute_multi_embedding``)."""
+    check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
+                       same_dtype=dtype is None)
+    dtypes = {t.dtype for t in pooled_embs}
+    if len(dtypes) != 1 or not dtypes <= set(_DTYPES) or (dtype is not None and dtypes != {dtype}):
+        return NotImplemented  # FBGEMM has no fused cast; it allocates like pooled_embs[0]
+    return list(torch.ops.fbgemm.permute_multi_embedding_function(
+        list(pooled_embs), permutes, in_shapes, out_shapes, list(out_lengths), False
+    ))
+
+
+def permute_multi_embedding_fbgemm(
+    pooled_embs: Sequence[torch.Tensor],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    out_lengths: Sequence[int],
+) -> List[torch.Tensor]:
+    """The op ``permute_multi_embedding``."""
+    return permute_multi_embedding_to_fbgemm(pooled_embs, permutes, in_shapes, out_shapes,
+                                             out_lengths, op="permute_multi_embedding")
 
 
 def _used_columns(permutes: torch.Tensor, in_shapes: torch.Tensor, total: int) -> torch.Tensor:
