@@ -102,7 +102,7 @@ if [ "$DRY" = 1 ]; then  # the same files, the Triton kernels in the interpreter
   step tests 300 env TRITON_INTERPRET=1 KT_REGROUP_BACKEND=triton "$PY" -m pytest -q -x \
     -p no:cacheprovider tests/test_backends.py -k "parity and not each_backend"
 else
-  step tests 150 env -u TRITON_INTERPRET "$PY" -m pytest -q -x -p no:cacheprovider \
+  step tests 200 env -u TRITON_INTERPRET "$PY" -m pytest -q -x -p no:cacheprovider \
     tests/test_triton.py tests/test_backends.py
 fi
 
@@ -180,7 +180,7 @@ EOF
 
 # --- 4. the benchmark (seed layout, both duplicate settings, fwd and fwd+bwd) --------------
 if [ "$DRY" = 1 ]; then
-  BENCH_ARGS=(--device_type cpu --preset quick --allocator default)
+  BENCH_ARGS=(--device_type cpu --preset quick --allocator default --all_fbgemm_rows)
 else
   BENCH_ARGS=(--device_type cuda --min_run_time 0.5 --time_limit_s 120)
 fi

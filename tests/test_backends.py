@@ -251,6 +251,23 @@ def test_parity_into_caller_owned_outputs(device):
     assert_same_list(_on("cpu", outs), expected_regroup(values, layout))
 
 
+def test_parity_compiled_fullgraph_forward_and_backward():
+    # torch.compile sees the ops (fake kernels), whatever kernel serves them at run time.
+    layout = random_layout(1)
+    permutes, in_shapes, out_shapes, out_lengths = _metadata(layout)
+    values = make_values(layout, 3, requires_grad=True)
+
+    def f(*xs):
+        outs = torch.ops.kt_regroup.permute_multi_embedding(list(xs), permutes, in_shapes,
+                                                            out_shapes, out_lengths)
+        return sum((o * (i + 1)).sum() for i, o in enumerate(outs))
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(*values), values)
+    want = torch.autograd.grad(f(*values), values)
+    assert_same_list(got, want)
+
+
 def test_parity_bad_rows_raise_a_clear_error():
     # (CPU: on a device the rows are not read back; the kernels clip bad rows.)
     permutes, in_shapes, out_shapes, out_lengths = _metadata(SMALL_LAYOUT)

@@ -577,8 +577,9 @@ def _concatenated(
 # --- the ops' kernels (kt_regroup.ops registers them for CUDA, and CPU under the interpreter)
 # They check what the other kernels check. The plan's rows are bounds-checked where it is on
 # the host (CPU tensors); on a device they are not read back (no sync): the kernels clip
-# bad rows instead (see the module docstring). A dtype Triton does not take returns
-# NotImplemented: the op then runs the kernel that served the device before.
+# bad rows instead (see the module docstring). A dtype Triton does not take, or a plan on
+# another device than the data, returns NotImplemented: the op then runs the kernel that
+# served the device before.
 
 
 def permute_multi_embedding_to_triton(
@@ -597,7 +598,8 @@ def permute_multi_embedding_to_triton(
     check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
                        same_dtype=dtype is None)
     dtypes = {t.dtype for t in pooled_embs}
-    if not dtypes <= set(_TL_DTYPE) or (dtype is not None and dtype not in _TL_DTYPE):
+    if (not dtypes <= set(_TL_DTYPE) or (dtype is not None and dtype not in _TL_DTYPE)
+            or permutes.device != pooled_embs[0].device):
         return NotImplemented
     if len(dtypes) > 1:
         wide = functools.reduce(torch.promote_types, dtypes)
@@ -621,7 +623,7 @@ def permute_multi_embedding_into_triton(
     widths = check_into_outputs(op, pooled_embs, outs)
     check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, widths,
                        out_name="outs widths")
-    if pooled_embs[0].dtype not in _TL_DTYPE:
+    if pooled_embs[0].dtype not in _TL_DTYPE or permutes.device != pooled_embs[0].device:
         return NotImplemented
     permute_multi_embedding_triton(
         pooled_embs, permutes, in_shapes, out_shapes, widths, out=outs
@@ -643,7 +645,9 @@ def permute_multi_embedding_backward_op_triton(
     check_backward_call("permute_multi_embedding_backward", grad_outputs, permutes, in_shapes,
                         out_shapes, in_lengths, batch_size)
     dtypes = {g.dtype for g in grad_outputs if g is not None}
-    if dtype not in _TL_DTYPE or not dtypes <= set(_TL_DTYPE) or len(dtypes) > 1:
+    devices = {g.device for g in grad_outputs if g is not None}
+    if (dtype not in _TL_DTYPE or not dtypes <= set(_TL_DTYPE) or len(dtypes) > 1
+            or devices - {permutes.device}):
         return NotImplemented
     return permute_multi_embedding_backward_triton(
         grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype
