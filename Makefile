@@ -1,9 +1,11 @@
 # Two entry points; each one sets up ./.venv first (see scripts/setup_env.sh).
 #   make bench   - the regroup benchmark (scattered seed-size layout, CPU), tables on stdout
 #   make test    - the test suite
-.PHONY: bench test setup
+#   make asan    - the op library built with AddressSanitizer (build/asan), fuzz cases run on it
+.PHONY: bench test setup asan
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
+ASAN_CASES ?= 3000
 
 setup:
 	./scripts/setup_env.sh
@@ -13,3 +15,6 @@ bench: setup
 
 test: setup
 	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+
+asan: setup
+	./scripts/asan.sh $(ASAN_CASES)
