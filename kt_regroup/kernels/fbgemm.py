@@ -70,7 +70,8 @@ def permute_multi_embedding_to_fbgemm(
     if (len(dtypes) != 1 or not dtypes <= set(_DTYPES) or (dtype is not None and dtypes != {dtype})
             or not _int32(permutes, in_shapes, out_shapes)):
         return NotImplemented  # FBGEMM has no fused cast; it allocates like pooled_embs[0]
-    # .contiguous(): FBGEMM's CUDA kernel addresses rows by width (a no-op when contiguous).
+    # .contiguous(): not relying on FBGEMM's CUDA kernel taking strided rows (unchecked
+    # without a GPU); a no-op for contiguous tensors.
     outs = list(torch.ops.fbgemm.permute_multi_embedding_function(
         [t.contiguous() for t in pooled_embs], permutes, in_shapes, out_shapes,
         list(out_lengths), False,
