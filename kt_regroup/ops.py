@@ -9,7 +9,10 @@ TorchScript or AOTInductor model runs where only that library is loaded. This mo
    autograd, after one warning;
 2. registers the fake kernels (compile, export), whose output sizes come from the
    ``SymInt`` arguments, never from data;
-3. offers typed Python wrappers.
+3. registers the backends that replace a device's kernels (``triton`` on CUDA by
+   default, ``fbgemm`` on request; see :func:`backend`), importing their modules on
+   first use;
+4. offers typed Python wrappers.
 
 Ops (FBGEMM's schemas where FBGEMM has the op)::
 
@@ -33,6 +36,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -386,12 +390,17 @@ class _Backend:
     def __init__(self, name: str, key: str, load, fallback_name: str) -> None:
         self.name, self.key, self._load, self.fallback_name = name, key, load, fallback_name
         self._kernels: Optional[dict] = None
+        self._lock = threading.Lock()  # first calls from several threads: one load, one warning
         self._fallback = {
             op: torch.library.get_kernel(f"{NAMESPACE}::{op}", key) for op in _DEVICE_OPS
         }
 
     def kernels(self) -> dict:
-        if self._kernels is None:
+        if self._kernels is not None:
+            return self._kernels
+        with self._lock:
+            if self._kernels is not None:
+                return self._kernels
             try:
                 self._kernels = self._load(self.key)
             except Exception as exc:  # ImportError, a broken install: reported, not fatal

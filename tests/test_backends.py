@@ -10,6 +10,7 @@ program in Python.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -72,6 +73,7 @@ def _fbgemm_has(key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::permute_multi_embedding_function", key)
 
 
+@functools.cache
 def _triton_imports() -> bool:
     return run_python("import triton").returncode == 0
 

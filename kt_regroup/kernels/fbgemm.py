@@ -70,8 +70,11 @@ def permute_multi_embedding_to_fbgemm(
     if (len(dtypes) != 1 or not dtypes <= set(_DTYPES) or (dtype is not None and dtypes != {dtype})
             or not _int32(permutes, in_shapes, out_shapes)):
         return NotImplemented  # FBGEMM has no fused cast; it allocates like pooled_embs[0]
+    # .contiguous(): not relying on FBGEMM's CUDA kernel taking strided rows (unchecked
+    # without a GPU); a no-op for contiguous tensors.
     outs = list(torch.ops.fbgemm.permute_multi_embedding_function(
-        list(pooled_embs), permutes, in_shapes, out_shapes, list(out_lengths), False
+        [t.contiguous() for t in pooled_embs], permutes, in_shapes, out_shapes,
+        list(out_lengths), False,
     ))
     return _zero_uncovered(outs, permutes, out_shapes, side=1)
 
@@ -134,7 +137,7 @@ def permute_multi_embedding_backward_fbgemm(
     # reading it is a host sync on CUDA, only where a gradient is None).
     widths = out_shapes.tolist() if len(defined) < len(grad_outputs) else None
     grads = [
-        like.new_zeros(batch_size, int(widths[j])) if g is None else g
+        like.new_zeros(batch_size, int(widths[j])) if g is None else g.contiguous()
         for j, g in enumerate(grad_outputs)
     ]
     in_lengths = [int(n) for n in in_lengths]
