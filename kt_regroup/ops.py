@@ -324,7 +324,10 @@ def _(pooled_embs, permutes, in_shapes, out_shapes, outs):
 def _(grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype):
     check_structure("permute_multi_embedding_backward", "grad_outputs", grad_outputs, permutes,
                     in_shapes, out_shapes, len(in_lengths), in_lengths, allow_none=True)
-    device = next((g.device for g in grad_outputs if g is not None), permutes.device)
+    device = next((g.device for g in grad_outputs if g is not None), None)
+    if device is None:  # no gradients: metadata on meta makes meta results, never real ones
+        meta = any(t.is_meta for t in (permutes, in_shapes, out_shapes))
+        device = torch.device("meta") if meta else permutes.device
     return [torch.empty(batch_size, n, dtype=dtype, device=device) for n in in_lengths]
 
 

@@ -396,6 +396,39 @@ def test_into_with_meta_inputs_and_real_outs_raises():
         torch.ops.kt_regroup.permute_multi_embedding_into([x], permutes, shapes, shapes, outs)
 
 
+def test_backward_with_meta_metadata_and_no_gradients_gives_no_uninitialised_memory():
+    # Fuzz case 6213: out_shapes on meta dispatches to the fake kernel, which returns
+    # torch.empty on the CPU (permutes' device): uninitialised gradients, no error.
+    import kt_regroup  # noqa: F401
+
+    permutes = torch.tensor([[0, 0, 0, 0, 3, 0]], dtype=torch.int32)
+    shapes = torch.tensor([3], dtype=torch.int32)
+    try:
+        (grad,) = torch.ops.kt_regroup.permute_multi_embedding_backward(
+            [None], permutes, shapes, shapes.to("meta"), [3], 2, torch.float32
+        )
+    except (ValueError, RuntimeError):
+        return  # an error is a correct answer
+    assert grad.is_meta or torch.equal(grad, torch.zeros(2, 3))
+
+
+@pytest.mark.skipif(
+    os.environ.get("KT_REGROUP_BACKEND") == "reference", reason="a check of the compiled library"
+)
+def test_backward_into_an_integer_dtype_raises_without_rows_too():
+    # Fuzz case 22023: float gradients and an int64 dtype; every row empty. Found as a
+    # result where the reference raises; now a TypeError naming the gradient.
+    import kt_regroup  # noqa: F401
+
+    permutes = torch.tensor([[0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"grad_outputs\[0\] is Double"):
+        torch.ops.kt_regroup.permute_multi_embedding_backward(
+            [torch.zeros(2, 0, dtype=torch.float64)], permutes,
+            torch.tensor([5, 10], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+            [5, 10], 2, torch.int64,
+        )
+
+
 def test_fuzz_cases_cover_every_op():
     assert {make_case(seed)[0] for seed in range(len(OPS))} == set(OPS)
 

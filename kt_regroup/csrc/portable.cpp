@@ -107,6 +107,14 @@ std::vector<at::Tensor> backward_by_segments(
     int64_t batch_size,
     c10::ScalarType dtype,
     c10::Device device) {
+  for (size_t j = 0; j < grads.size(); ++j) {
+    // Checked for every call, not only where a segment adds: float gradients never
+    // become an integer or bool gradient, with or without rows.
+    TORCH_CHECK_TYPE(
+        !grads[j] || c10::canCast(grads[j]->scalar_type(), dtype),
+        "kt_regroup.permute_multi_embedding_backward: grad_outputs[", j, "] is ",
+        grads[j]->scalar_type(), ", which cannot be accumulated into dtype ", dtype);
+  }
   const bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
   const auto options = at::TensorOptions().dtype(reduced ? at::kFloat : dtype).device(device);
   std::vector<at::Tensor> out;
