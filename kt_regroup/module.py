@@ -400,29 +400,19 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
                     plan = self._build_plan(keyed_tensors)
                 if plan.key_dim != 1:
                     values = _cast(regroup(keyed_tensors, self._groups), self._dtype)
-                elif self._plain and len(plan.views) == 0:
-                    # The common case, kept short: it runs on every serving call.
-                    buffers = plan._buffers  # ~1 us cheaper per buffer than attribute access
-                    values = _PERMUTE(
-                        [kt.values() for kt in keyed_tensors],
-                        buffers["_permutes"],
-                        buffers["_in_shapes"],
-                        buffers["_out_shapes"],
-                        plan.out_lengths,
-                    )
-                    return dict(zip(self._keys, values))
                 else:
-                    buffers = plan._buffers
-                    values = _permute(
+                    buffers = plan._buffers  # ~1 us cheaper per buffer than attribute access
+                    args = (
                         [kt.values() for kt in keyed_tensors],
                         buffers["_permutes"],
                         buffers["_in_shapes"],
                         buffers["_out_shapes"],
                         plan.out_lengths,
-                        self._multi_device,
-                        self._dtype,
-                        plan.views,
                     )
+                    if self._plain and len(plan.views) == 0:
+                        # The common case, kept short: it runs on every serving call.
+                        return dict(zip(self._keys, _PERMUTE(*args)))
+                    values = _permute(*args, self._multi_device, self._dtype, plan.views)
                 return _to_tensor_dict(self._keys, values)
         # fx tracing and TorchScript: the captured plan, checked on every call.
         values = _regroup_with_plan(
