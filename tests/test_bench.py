@@ -85,7 +85,9 @@ def test_every_cell_and_every_provider_answers_right(quick_run):
                  for lay in ("scattered", "seed") for g in GRADS for d in (False, True)}
     assert main_cells == expected
     serving = {(r["grad_mode"], r["duplicates"]) for r in records if r["suite"] == "serving"}
-    assert serving == {(g, d) for g in ("autograd", "inference_mode") for d in (False, True)}
+    assert serving == {
+        (g, d) for g in ("autograd", "no_grad", "inference_mode") for d in (False, True)
+    }
     assert {"kt_regroup", "torchrec", "fbgemm", "limit"} <= {r["family"] for r in records}
     for r in records:
         assert RECORD_FIELDS <= set(r), RECORD_FIELDS - set(r)
@@ -273,7 +275,7 @@ def test_serving_preset_only_serving_rows(tmp_path):
     assert rc == 0
     records = _load(str(tmp_path))["records"]
     assert {r["suite"] for r in records} == {"serving"}
-    assert {r["grad_mode"] for r in records} == {"autograd", "inference_mode"}
+    assert {r["grad_mode"] for r in records} == {"autograd", "no_grad", "inference_mode"}
     assert {r["batch_size"] for r in records} == {32}
     assert {r["n_features"] for r in records} == {27}
     assert all(r["calls_per_sample"] >= 1 and r["check"] == "ok" for r in records)

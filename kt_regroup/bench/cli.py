@@ -319,7 +319,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return [p for p in providers if (inference_only_too or not p.inference_only)
                 and not (short and p.name in _FBGEMM_OP_ROWS)]
 
-    grad_modes = ("autograd", "inference_mode") if serving else ()
+    grad_modes = ("autograd", "no_grad", "inference_mode") if serving else ()
     total = (sum(len(rows(m == FORWARD, True)) for _, m, _ in cells)
              + sum(len(rows(g == "inference_mode", False)) * len(serving) for g in grad_modes))
     records: List[Dict[str, Any]] = []
@@ -328,7 +328,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Serving first: bounded by its min_run_time, so the main cells get what is left.
         for grad_mode in grad_modes:  # autograd first: its plan tensors serve both modes
             inference = grad_mode == "inference_mode"
-            context = torch.inference_mode if inference else contextlib.nullcontext
+            context = {"autograd": contextlib.nullcontext, "no_grad": torch.no_grad,
+                       "inference_mode": torch.inference_mode}[grad_mode]
             for layout in serving:
                 cell = Cell(layout, device, FORWARD, seed=args.seed, requires_grad=not inference)
                 common = _common(layout, device, device_name, threads, allocator, "serving",

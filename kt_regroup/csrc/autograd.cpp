@@ -15,6 +15,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 namespace kt_regroup {
 namespace {
 
@@ -211,12 +213,27 @@ class PermuteBackwardFunction : public torch::autograd::Function<PermuteBackward
   }
 };
 
+// Whether a call must be recorded for autograd. When not (torch.no_grad(), a backward
+// pass without create_graph, inputs that need no gradient) the kernels below autograd
+// run directly: building and dropping a graph node costs more than the copy of a
+// small serving batch.
+bool records_grad(at::TensorList tensors) {
+  return at::GradMode::is_enabled() &&
+      std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+        return t.defined() && t.requires_grad();
+      });
+}
+
 std::vector<at::Tensor> permute_multi_embedding_autograd(
     at::TensorList pooled_embs,
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::SymIntArrayRef out_lengths) {
+  if (!records_grad(pooled_embs)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_forward(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  }
   return PermuteFunction::apply(
       pooled_embs, permutes, in_shapes, out_shapes, out_lengths, std::nullopt, false);
 }
@@ -228,6 +245,10 @@ std::vector<at::Tensor> permute_multi_embedding_to_autograd(
     const at::Tensor& out_shapes,
     c10::SymIntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype) {
+  if (!records_grad(pooled_embs)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_forward_to(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype);
+  }
   return PermuteFunction::apply(
       pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, true);
 }
@@ -248,6 +269,11 @@ std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
       defined.push_back(*g);
       positions.push_back(static_cast<int64_t>(j));
     }
+  }
+  if (!records_grad(defined)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_backward(
+        grad_outputs, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
   }
   return PermuteBackwardFunction::apply(
       at::TensorList(defined), positions, static_cast<int64_t>(grad_outputs.size()), permutes,
