@@ -118,20 +118,40 @@ def make_values(
     return out
 
 
-def expected_regroup(values: Sequence[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
-    """The obvious oracle: slice every key's block and ``torch.cat`` each group."""
+def key_columns(layout: Layout) -> dict:
+    """Each key's place: ``key -> (input, offset, width)``."""
     where = {}
     for t, (tkeys, tlens) in enumerate(zip(layout.keys, layout.lengths)):
         off = 0
         for k, w in zip(tkeys, tlens):
             where[k] = (t, off, w)
             off += w
+    return where
+
+
+def expected_regroup(values: Sequence[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
+    """The obvious oracle: slice every key's block and ``torch.cat`` each group."""
+    where = key_columns(layout)
     outs = []
     batch, dtype = values[0].size(0), values[0].dtype
     for group in layout.groups:
         blocks = [values[where[k][0]][:, where[k][1] : where[k][1] + where[k][2]] for k in group]
         outs.append(torch.cat(blocks, dim=1) if blocks else torch.empty(batch, 0, dtype=dtype))
     return [o.detach().clone() for o in outs]
+
+
+def expected_grads(layout: Layout, grads, batch: int, acc_dtype: torch.dtype) -> list:
+    """The gradient oracle: every group's gradient added to its keys' columns, in
+    ``acc_dtype`` (exact sums in float64 / int64); unused keys stay 0."""
+    out = [torch.zeros(batch, w, dtype=acc_dtype) for w in layout.in_widths]
+    where = key_columns(layout)
+    for g, group in zip(grads, layout.groups):
+        off = 0
+        for k in group:
+            t, in_off, w = where[k]
+            out[t][:, in_off : in_off + w] += g[:, off : off + w].to(acc_dtype)
+            off += w
+    return out
 
 
 def keyed_tensors(layout: Layout, values: Sequence[torch.Tensor]):

@@ -20,6 +20,7 @@ from conftest import (
     WIDTHS,
     assert_same_list,
     dtype_ids,
+    expected_grads,
     expected_regroup,
     keyed_tensors,
     make_values,
@@ -222,23 +223,9 @@ GRAD_KINDS = ["contiguous", "transposed", "column-slice", "every-other", "expand
 
 
 def _oracle_backward(layout, grads, batch, dtype):
-    """Input gradients by slicing: each group's gradient added to its keys' columns in
-    float64 (int64 for integers), then cast once."""
+    """Input gradients by slicing, summed exactly (float64, int64 for integers), cast once."""
     acc = torch.int64 if not dtype.is_floating_point else torch.float64
-    where = {}
-    for t, (tkeys, tlens) in enumerate(zip(layout.keys, layout.lengths)):
-        off = 0
-        for k, w in zip(tkeys, tlens):
-            where[k] = (t, off, w)
-            off += w
-    out = [torch.zeros(batch, w, dtype=acc) for w in layout.in_widths]
-    for g, group in zip(grads, layout.groups):
-        off = 0
-        for k in group:
-            t, in_off, w = where[k]
-            out[t][:, in_off : in_off + w] += g[:, off : off + w].to(acc)
-            off += w
-    return [o.to(dtype) for o in out]
+    return [o.to(dtype) for o in expected_grads(layout, grads, batch, acc)]
 
 
 def _dyadic(batch, n, dtype, gen):

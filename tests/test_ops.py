@@ -21,6 +21,7 @@ from conftest import (
     assert_same_list,
     clone_all,
     dtype_ids,
+    expected_grads,
     expected_regroup,
     make_values,
     needs_fbgemm,
@@ -322,24 +323,6 @@ def test_fused_cast_backward_with_the_default_dtype():
         assert torch.equal(grads[1][:, 0], torch.full((2,), 3.0))  # 'c' used three times
 
 
-def _expected_grads(layout, grads, batch, acc_dtype):
-    """Input gradients by hand: scatter-add every group's gradient blocks."""
-    out = [torch.zeros(batch, w, dtype=acc_dtype) for w in layout.in_widths]
-    where = {}
-    for t, (tkeys, tlens) in enumerate(zip(layout.keys, layout.lengths)):
-        off = 0
-        for k, w in zip(tkeys, tlens):
-            where[k] = (t, off, w)
-            off += w
-    for g, group in enumerate(layout.groups):
-        off = 0
-        for k in group:
-            t, in_off, w = where[k]
-            out[t][:, in_off : in_off + w] += grads[g][:, off : off + w].to(acc_dtype)
-            off += w
-    return out
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("name", ["small", "seed0", "seed3"])
 def test_backward_accumulates_duplicates_zeroes_unused_keeps_dtype(name, dtype):
@@ -357,7 +340,7 @@ def test_backward_accumulates_duplicates_zeroes_unused_keeps_dtype(name, dtype):
     outs = torch.ops.kt_regroup.permute_multi_embedding(values, *args)
     torch.autograd.backward(outs, grads)
     acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    expected = [e.to(dtype) for e in _expected_grads(layout, grads, batch, acc)]
+    expected = [e.to(dtype) for e in expected_grads(layout, grads, batch, acc)]
     for v, e in zip(values, expected):
         assert v.grad.dtype == dtype
         torch.testing.assert_close(v.grad, e, rtol=0, atol=0)
@@ -408,7 +391,7 @@ def test_backward_op_matches_reference_with_none_grads(dtype):
     ref = permute_multi_embedding_backward_reference(grads, p, i, o, layout.in_widths, batch, dtype)
     acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     zero = torch.zeros(batch, out_lengths[1], dtype=dtype)
-    by_hand = _expected_grads(layout, [g if g is not None else zero for g in grads], batch, acc)
+    by_hand = expected_grads(layout, [g if g is not None else zero for g in grads], batch, acc)
     assert_same_list(got, ref)
     assert_same_list(got, [e.to(dtype) for e in by_hand])
     # All gradients None: zeros of the right shape and dtype.
