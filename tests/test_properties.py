@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from conftest import Layout, keyed_tensors
+from conftest import Layout, expected_grads, expected_regroup, keyed_tensors
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -122,38 +122,9 @@ def make_inputs(case: Case, requires_grad: bool) -> list[torch.Tensor]:
     return out
 
 
-def oracle(values, layout: Layout) -> list[torch.Tensor]:
-    """Slices and ``torch.cat``: independent of every kt_regroup code path."""
-    where = {}
-    for t, (tk, tl) in enumerate(zip(layout.keys, layout.lengths)):
-        off = 0
-        for k, w in zip(tk, tl):
-            where[k] = (t, off, w)
-            off += w
-    batch, dtype = values[0].size(0), values[0].dtype
-    outs = []
-    for group in layout.groups:
-        blocks = [values[t][:, o : o + w] for t, o, w in (where[k] for k in group)]
-        outs.append(torch.cat(blocks, 1) if blocks else torch.empty(batch, 0, dtype=dtype))
-    return [o.detach().clone() for o in outs]
-
-
 def oracle_grads(grad_outputs, layout: Layout, batch: int, dtype) -> list[torch.Tensor]:
     """Exact sums (float64) rounded once to ``dtype``."""
-    where = {}
-    for t, (tk, tl) in enumerate(zip(layout.keys, layout.lengths)):
-        off = 0
-        for k, w in zip(tk, tl):
-            where[k] = (t, off, w)
-            off += w
-    acc = [torch.zeros(batch, w, dtype=torch.float64) for w in layout.in_widths]
-    for g, group in zip(grad_outputs, layout.groups):
-        off = 0
-        for k in group:
-            t, o, w = where[k]
-            acc[t][:, o : o + w] += g[:, off : off + w].double()
-            off += w
-    return [a.to(dtype) for a in acc]
+    return [a.to(dtype) for a in expected_grads(layout, grad_outputs, batch, torch.float64)]
 
 
 def make_grad_outputs(outs, seed: int) -> list[torch.Tensor]:
@@ -175,7 +146,7 @@ def check_surface(name, run, case: Case) -> None:
     inputs = make_inputs(case, requires_grad=grad)
     before = [t.detach().clone() for t in inputs]
     outs = run(inputs)
-    assert_bitwise([o.detach() for o in outs], oracle(inputs, case.layout), name)
+    assert_bitwise([o.detach() for o in outs], expected_regroup(inputs, case.layout), name)
     assert_bitwise([t.detach() for t in inputs], before, f"{name}: inputs modified")
     if not grad:
         return
