@@ -2,14 +2,15 @@
 
 ``import kt_regroup`` loads the compiled op library (``kt_regroup/_C*.so``, built when
 the package is installed; :func:`library_path` gives its path), which registers
-``torch.ops.kt_regroup.*``. Nothing is compiled at import. The torchrec-facing API
-(:class:`KTRegroupAsDict`, :func:`regroup`, :func:`regroup_as_dict`) imports torchrec on
-first use.
+``torch.ops.kt_regroup.*``, and registers the ops' fake kernels. It changes nothing of
+torch's or torchrec's. The torchrec-facing API (:class:`KTRegroupAsDict`,
+:func:`regroup`, :func:`regroup_as_dict`, :func:`patch_torchrec`) imports torchrec on
+first use; :func:`patch_torchrec` makes the registrations in torchrec and torch
+(:func:`register_ir_serializer`, :func:`register_keyed_tensor_pytree`).
 """
 
 from kt_regroup import ops
 from kt_regroup.ops import (
-    backend,
     kt_regroup_arguments,
     library_path,
     permute_multi_embedding,
@@ -17,7 +18,7 @@ from kt_regroup.ops import (
     permute_multi_embedding_to,
     regroup_keyed_tensor,
 )
-from kt_regroup.plan import MissingKeyError, RegroupPlan, get_plan
+from kt_regroup.plan import RegroupPlan, get_plan
 
 __version__ = "0.1.0"
 
@@ -43,10 +44,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "KTRegroupAsDict",
-    "MissingKeyError",
     "RegroupPlan",
     "__version__",
-    "backend",
     "get_plan",
     "kt_regroup_arguments",
     "library_path",

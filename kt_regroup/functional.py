@@ -1,45 +1,74 @@
 """Functional regroup of torchrec ``KeyedTensor``s.
 
 Same results as ``KeyedTensor.regroup`` / ``KeyedTensor.regroup_as_dict``, computed by
-``torch.ops.kt_regroup.regroup_keyed_tensor`` in one fused pass. These functions are
-``torch.fx.wrap``-ed like torchrec's, so fx tracing keeps them as single calls, and they
-are TorchScript-able.
+the fused ops in one pass. These functions are ``torch.fx.wrap``-ed like torchrec's, so
+fx tracing keeps them as single calls, and they are TorchScript-able. The helpers
+``layout`` and ``permute`` are what :class:`kt_regroup.KTRegroupAsDict` runs too.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-import kt_regroup.keyed_tensor_pytree  # noqa: F401  (KeyedTensor as a torch.export input)
-import kt_regroup.ops  # noqa: F401  (registers torch.ops.kt_regroup)
-
 __all__ = ["regroup", "regroup_as_dict"]
 
 
-def _regroup_along(
-    values: List[torch.Tensor],
-    keys: List[List[str]],
-    lengths: List[List[int]],
-    groups: List[List[str]],
-    dim: int,
-) -> List[torch.Tensor]:
-    """``key_dim != 1``: the op's plan, gathered with one ``cat`` along ``dim``."""
-    permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
-        torch.empty(0), keys, lengths, groups
+def layout(
+    keyed_tensors: List[KeyedTensor], who: str
+) -> Tuple[List[List[str]], List[List[int]], int]:
+    """The keys, widths and key_dim of ``keyed_tensors``; ``ValueError`` naming ``who``
+    for an empty list or mixed key_dims."""
+    if len(keyed_tensors) == 0:
+        raise ValueError(f"{who}: keyed_tensors is empty")
+    key_dim = keyed_tensors[0].key_dim()
+    for i, kt in enumerate(keyed_tensors):
+        if kt.key_dim() != key_dim:
+            raise ValueError(
+                f"{who}: all inputs must have the same key_dim; input {i} has key_dim "
+                f"{kt.key_dim()}, input 0 has {key_dim}"
+            )
+    return (
+        [kt.keys() for kt in keyed_tensors],
+        [kt.length_per_key() for kt in keyed_tensors],
+        key_dim,
     )
+
+
+def permute(
+    values: List[torch.Tensor],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    out_lengths: List[int],
+    key_dim: int,
+    dtype: Optional[torch.dtype],
+) -> List[torch.Tensor]:
+    """The fused op (with the cast fused in, for ``dtype``); along ``key_dim != 1``, the
+    plan's blocks gathered with one ``cat``."""
+    if key_dim == 1:
+        if dtype is None:
+            return torch.ops.kt_regroup.permute_multi_embedding(
+                values, permutes, in_shapes, out_shapes, out_lengths
+            )
+        return torch.ops.kt_regroup.permute_multi_embedding_to(
+            values, permutes, in_shapes, out_shapes, out_lengths, dtype
+        )
     rows = torch.jit.annotate(List[List[int]], permutes.long().tolist())
-    blocks = [values[r[0]].narrow(dim, r[2], r[4]) for r in rows]
+    blocks = [values[r[0]].narrow(key_dim, r[2], r[4]) for r in rows]
     if len(blocks) == 0:
         size = list(values[0].shape)
-        size[dim] = 0
-        return [values[0].new_zeros(size) for g in groups]
-    return list(torch.cat(blocks, dim=dim).split(out_lengths, dim=dim))
+        size[key_dim] = 0
+        outs = [values[0].new_zeros(size) for _ in out_lengths]
+    else:
+        outs = list(torch.cat(blocks, dim=key_dim).split(out_lengths, dim=key_dim))
+    return outs if dtype is None else [o.to(dtype) for o in outs]
 
 
 @torch.fx.wrap
 def regroup(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[torch.Tensor]:
-    """Regroups ``keyed_tensors`` into one tensor per group of keys.
+    """Regroups ``keyed_tensors`` into one tensor per group of keys; mixed dtypes promote
+    as torchrec's ``torch.cat`` does.
 
     Example::
 
@@ -47,33 +76,19 @@ def regroup(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[t
         >>> [t.shape for t in regroup([kt], [["b"], ["a", "b"]])]
         [torch.Size([2, 3]), torch.Size([2, 4])]
     """
-    if len(keyed_tensors) == 0:
-        raise ValueError("kt_regroup.regroup: keyed_tensors is empty")
-    key_dim = keyed_tensors[0].key_dim()
-    for i, kt in enumerate(keyed_tensors):
-        if kt.key_dim() != key_dim:
-            raise ValueError(
-                f"kt_regroup.regroup: all inputs must have the same key_dim; input {i} has "
-                f"key_dim {kt.key_dim()}, input 0 has {key_dim}"
-            )
+    keys, lengths, key_dim = layout(keyed_tensors, "kt_regroup.regroup")
     values = [kt.values() for kt in keyed_tensors]
-    keys = [kt.keys() for kt in keyed_tensors]
-    lengths = [kt.length_per_key() for kt in keyed_tensors]
-    if key_dim != 1:
-        return _regroup_along(values, keys, lengths, groups, key_dim)
     dtype = values[0].dtype
     for v in values:
         dtype = torch.promote_types(dtype, v.dtype)
+    cast: Optional[torch.dtype] = None
     for v in values:
         if v.dtype != dtype:
-            # Mixed dtypes promote, as torchrec's torch.cat does; the cast is in the copy.
-            permutes, in_shapes, out_shapes, out_lengths = (
-                torch.ops.kt_regroup.kt_regroup_arguments(values[0], keys, lengths, groups)
-            )
-            return torch.ops.kt_regroup.permute_multi_embedding_to(
-                values, permutes, in_shapes, out_shapes, out_lengths, dtype
-            )
-    return torch.ops.kt_regroup.regroup_keyed_tensor(values, keys, lengths, groups)
+            cast = dtype
+    permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
+        values[0], keys, lengths, groups
+    )
+    return permute(values, permutes, in_shapes, out_shapes, out_lengths, key_dim, cast)
 
 
 @torch.fx.wrap

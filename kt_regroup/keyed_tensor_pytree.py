@@ -4,7 +4,8 @@ torchrec registers ``KeyedTensor`` as a pytree node (leaf ``_values``, context
 ``(keys, length_per_key)``) but with no ``flatten_with_keys_fn``, which ``torch.export``
 needs for every input container, and with no context (de)serializer, so the context of
 a saved program loads back as a list and the loaded program rejects every input.
-Importing this module fills in what is missing, and only that:
+:func:`register_keyed_tensor_pytree` (called by :func:`kt_regroup.patch_torchrec`, or
+by you before exporting) fills in what is missing, and only that:
 
 * torchrec's node lacks them (torchrec 1.9.2): the node is kept, torchrec's flatten,
   unflatten and serialized name included; the keys function and the context
@@ -105,6 +106,3 @@ def register_keyed_tensor_pytree() -> bool:
     if changed:
         logger.info("kt_regroup: completed KeyedTensor's pytree registration for torch.export")
     return changed
-
-
-register_keyed_tensor_pytree()

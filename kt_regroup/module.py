@@ -3,51 +3,49 @@
 The module builds its permute plan on the first forward and then calls the fused
 ``torch.ops.kt_regroup.permute_multi_embedding`` every step.
 
-The plan and everything derived from it (buffers, layout, output widths) form one
-immutable :class:`RegroupPlanModule`, swapped in with one assignment: a forward reads
-it once, so threads sharing the module never see half of an old plan and half of a
-new one, and the warm path takes no lock.
+One route: ``forward`` refreshes a stale plan (eager only), then calls :func:`_regroup`,
+one ``torch.fx.wrap``-ed function that eager, fx, TorchScript and ``torch.compile`` all
+run. Where the plan could not be refreshed (a graph captured by fx or TorchScript, a
+cold module under ``torch.compile``), :func:`_regroup` checks the layout itself and
+computes a call whose layout differs with an uncached plan: the same values, dtype
+rules and errors in every mode (groups ``allow_views`` would return as views come back
+as copies there).
 
-Staleness: each eager call compares the inputs' keys and widths with the plan's and
-builds a new plan when they differ (one warning per module). A graph captured by
-``torch.fx`` or TorchScript cannot rebuild its constants: there the same check runs and
-a call whose layout differs is computed by the uncached fused op, so the result is
-right either way.
+The plan and everything derived from it form one immutable :class:`RegroupPlanModule`,
+swapped in with one assignment: threads sharing the module never see half of an old
+plan, and the warm path takes no lock.
 """
 
 import logging
 import sys
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.fx._symbolic_trace as _fx_trace
-import torchrec.fx.tracer as _torchrec_tracer
 from torchrec.modules.embedding_configs import data_type_to_dtype, dtype_to_data_type
 from torchrec.sparse.jagged_tensor import KeyedTensor
 from torchrec.types import CacheMixin, DataType
 
-from kt_regroup.functional import regroup
-from kt_regroup.plan import RegroupPlan, get_plan
+from kt_regroup.functional import layout, permute
+from kt_regroup.plan import get_plan
 
 logger = logging.getLogger(__name__)
-
-_PERMUTE = torch.ops.kt_regroup.permute_multi_embedding.default
 
 __all__ = ["KTRegroupAsDict", "RegroupPlanModule"]
 
 
-def _layout_matches(
-    keyed_tensors: List[KeyedTensor],
-    in_keys: List[List[str]],
-    in_lengths: List[List[int]],
+def _matches(
+    keyed_tensors: List[KeyedTensor], in_keys: List[List[str]], in_lengths: List[List[int]],
     key_dim: int,
 ) -> bool:
-    if len(keyed_tensors) != len(in_keys):
+    """Whether ``keyed_tensors`` have the keys, widths and key_dim of a plan. The same
+    key-list object every step (torchrec's EBC passes its own) compares by identity
+    first, then in C; keys or widths given as tuples compare as lists."""
+    if len(keyed_tensors) != len(in_keys) or len(in_keys) == 0:
         return False
     for i, kt in enumerate(keyed_tensors):
         if kt.key_dim() != key_dim:
             return False
-        # A list compares in C; keys or lengths given as tuples compare as lists.
         keys = kt.keys()
         if keys != in_keys[i] and (isinstance(keys, list) or list(keys) != in_keys[i]):
             return False
@@ -59,68 +57,14 @@ def _layout_matches(
     return True
 
 
-def _is_fx_tracing() -> bool:
-    """True under torchrec's tracer and under plain ``torch.fx.symbolic_trace``."""
-    if _torchrec_tracer._is_fx_tracing_flag:  # flag reads first: this runs every call
-        return True
-    return _fx_trace._is_fx_tracing_flag and not torch.compiler.is_compiling()
-
-
-def _cast(values: List[torch.Tensor], dtype: Optional[torch.dtype]) -> List[torch.Tensor]:
-    if dtype is None:
-        return values
-    return [v.to(dtype) for v in values]
-
-
-def _permute(
-    values: List[torch.Tensor],
-    permutes: torch.Tensor,
-    in_shapes: torch.Tensor,
-    out_shapes: torch.Tensor,
-    out_lengths: List[int],
-    multi_device: bool,
-    dtype: Optional[torch.dtype],
-    views: List[List[int]],
-) -> List[torch.Tensor]:
-    """The fused op with a plan that matches ``values``; the cast is fused into the copy.
-
-    ``views`` (``allow_views``) holds per group ``[input, offset, width]`` for a group
-    returned as a view and ``[-1, 0, 0]`` for a group the op copies; the plan then covers
-    the copied groups only. Without views it is empty.
-    """
-    copied: List[torch.Tensor] = []
-    if len(out_lengths) > 0 or len(views) == 0:
-        if multi_device:
-            device = values[0].device
-            permutes = permutes.to(device, non_blocking=True)
-            in_shapes = in_shapes.to(device, non_blocking=True)
-            out_shapes = out_shapes.to(device, non_blocking=True)
-        if dtype is None:
-            copied = torch.ops.kt_regroup.permute_multi_embedding(
-                values, permutes, in_shapes, out_shapes, out_lengths
-            )
-        else:
-            copied = torch.ops.kt_regroup.permute_multi_embedding_to(
-                values, permutes, in_shapes, out_shapes, out_lengths, dtype
-            )
-    if len(views) == 0:
-        return copied
-    out: List[torch.Tensor] = []
-    k = 0
-    for spec in views:
-        if spec[0] < 0:
-            out.append(copied[k])
-            k += 1
-        else:
-            view = values[spec[0]].narrow(1, spec[1], spec[2])
-            out.append(view if dtype is None else view.to(dtype))
-    return out
-
-
 @torch.fx.wrap
-def _regroup_with_plan(
+def _regroup(
     keyed_tensors: List[KeyedTensor],
     groups: List[List[str]],
+    names: List[str],
+    dtype: Optional[torch.dtype],
+    multi_device: bool,
+    checked: bool,
     in_keys: List[List[str]],
     in_lengths: List[List[int]],
     key_dim: int,
@@ -128,81 +72,61 @@ def _regroup_with_plan(
     in_shapes: torch.Tensor,
     out_shapes: torch.Tensor,
     out_lengths: List[int],
-    multi_device: bool,
-    dtype: Optional[torch.dtype],
     views: List[List[int]],
-) -> List[torch.Tensor]:
-    """Graph-mode regroup: the captured plan when the layout matches it, else uncached."""
-    if key_dim == 1 and _layout_matches(keyed_tensors, in_keys, in_lengths, key_dim):
-        values = [kt.values() for kt in keyed_tensors]
-        return _permute(
-            values, permutes, in_shapes, out_shapes, out_lengths, multi_device, dtype, views
+) -> Dict[str, torch.Tensor]:
+    """The regroup with a plan (``checked``: known to match the inputs), or with an
+    uncached one where the inputs' layout differs from it.
+
+    ``views`` (``allow_views``) holds per group ``[input, offset, width]`` for a group
+    returned as a view and ``[-1, 0, 0]`` for a group the op copies; the plan then covers
+    the copied groups only. Without views it is empty.
+    """
+    values = [kt.values() for kt in keyed_tensors]
+    if dtype is None:
+        for i, v in enumerate(values):
+            if v.dtype != values[0].dtype:
+                raise TypeError(
+                    f"KTRegroupAsDict: input {i} is {v.dtype} but input 0 is "
+                    f"{values[0].dtype}; set emb_dtype to regroup them into one dtype (the "
+                    "cast is fused into the copy)"
+                )
+    if not checked and not _matches(keyed_tensors, in_keys, in_lengths, key_dim):
+        keys, lengths, key_dim = layout(keyed_tensors, "KTRegroupAsDict")
+        permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
+            values[0], keys, lengths, groups
         )
-    return _cast(regroup(keyed_tensors, groups), dtype)
-
-
-@torch.fx.wrap
-def _to_tensor_dict(keys: List[str], values: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
-    return {key: values[i] for i, key in enumerate(keys)}
+        views = torch.jit.annotate(List[List[int]], [])
+    elif multi_device:
+        device = values[0].device
+        permutes = permutes.to(device, non_blocking=True)
+        in_shapes = in_shapes.to(device, non_blocking=True)
+        out_shapes = out_shapes.to(device, non_blocking=True)
+    copied = torch.jit.annotate(List[torch.Tensor], [])
+    if len(out_lengths) > 0 or len(views) == 0:
+        copied = permute(values, permutes, in_shapes, out_shapes, out_lengths, key_dim, dtype)
+    if len(views) == 0:
+        return {name: copied[j] for j, name in enumerate(names)}
+    out: Dict[str, torch.Tensor] = {}
+    k = 0
+    for j, spec in enumerate(views):
+        if spec[0] < 0:
+            out[names[j]] = copied[k]
+            k += 1
+        else:
+            view = values[spec[0]].narrow(1, spec[1], spec[2])
+            out[names[j]] = view if dtype is None else view.to(dtype)
+    return out
 
 
 def _waited(obj):
     """What a torchrec LazyAwaitable (a sharded EBC's output under DistributedModelParallel)
-    stands for; anything else unchanged. Its attribute reads wait on it the same way."""
+    stands for; anything else unchanged."""
     if "torchrec.distributed.types" in sys.modules:
         from torchrec.distributed.types import LazyAwaitable
 
         if isinstance(obj, LazyAwaitable):
             return LazyAwaitable._wait_async(obj)
     return obj
-
-
-def _check_inputs(keyed_tensors, casts: bool) -> None:
-    """Clear errors for what is not a list of KeyedTensors of one key_dim, and for mixed
-    dtypes the module is not asked to cast (checked when a plan is built)."""
-    if not isinstance(keyed_tensors, (list, tuple)):
-        raise TypeError(
-            "KTRegroupAsDict expects a list of KeyedTensors, got "
-            f"{type(keyed_tensors).__name__}"
-        )
-    if len(keyed_tensors) == 0:
-        raise ValueError("KTRegroupAsDict: keyed_tensors is empty")
-    for i, kt in enumerate(keyed_tensors):
-        if not isinstance(kt, KeyedTensor) and not isinstance(_waited(kt), KeyedTensor):
-            raise TypeError(
-                f"KTRegroupAsDict: keyed_tensors[{i}] is a {type(kt).__name__}, not a KeyedTensor"
-            )
-    key_dim = keyed_tensors[0].key_dim()
-    for i, kt in enumerate(keyed_tensors):
-        if kt.key_dim() != key_dim:
-            raise ValueError(
-                f"KTRegroupAsDict: all inputs must have the same key_dim; input {i} has "
-                f"key_dim {kt.key_dim()}, input 0 has {key_dim}"
-            )
-    dtypes = {kt.values().dtype for kt in keyed_tensors}
-    if len(dtypes) > 1 and not casts:
-        raise TypeError(
-            f"KTRegroupAsDict: the inputs have dtypes {sorted(str(d) for d in dtypes)}; "
-            "set emb_dtype to regroup them into one dtype (the cast is fused into the copy)"
-        )
-
-
-def _layout_plan(
-    keyed_tensors: List[KeyedTensor], groups: List[List[str]], allow_views: bool
-) -> Tuple[RegroupPlan, List[List[int]]]:
-    """The plan of the inputs' layout and, with ``allow_views``, the groups returned as
-    views (``[input, offset, width]``, ``[-1, 0, 0]`` for copied ones; the plan then
-    covers the copied groups only)."""
-    plan = get_plan(  # layout errors
-        [kt.keys() for kt in keyed_tensors], [kt.length_per_key() for kt in keyed_tensors], groups
-    )
-    views: List[List[int]] = []
-    if allow_views and keyed_tensors[0].key_dim() == 1:
-        specs = plan.view_specs()
-        if any(spec is not None for spec in specs):
-            views = [[-1, 0, 0] if s is None else list(s) for s in specs]
-            plan = plan.restricted([j for j, s in enumerate(specs) if s is None])
-    return plan, views
 
 
 class RegroupPlanModule(torch.nn.Module):
@@ -226,54 +150,40 @@ class RegroupPlanModule(torch.nn.Module):
         keyed_tensors: Optional[List[KeyedTensor]] = None,
         groups: Optional[List[List[str]]] = None,
         allow_views: bool = False,
-        casts: bool = False,
     ) -> None:
         super().__init__()
-        self.in_keys = []
-        self.in_lengths = []
-        self.key_dim = 1
-        self.out_lengths = []
-        self.views = []  # per group: [input, offset, width] = a view, [-1, 0, 0] = copied
+        self.in_keys, self.in_lengths, self.key_dim = [], [], 1
+        self.out_lengths, self.views = [], []
         permutes = torch.empty(0, 6, dtype=torch.int32)
         in_shapes = out_shapes = torch.empty(0, dtype=torch.int32)
+        device = torch.device("cpu")
         if keyed_tensors is not None and groups is not None:
-            _check_inputs(keyed_tensors, casts)
-            self.key_dim = keyed_tensors[0].key_dim()
-            self.in_keys = [list(kt.keys()) for kt in keyed_tensors]
-            self.in_lengths = [list(kt.length_per_key()) for kt in keyed_tensors]
-            plan, self.views = _layout_plan(keyed_tensors, groups, allow_views)
+            keys, lengths, self.key_dim = layout(keyed_tensors, "KTRegroupAsDict")
+            self.in_keys = [list(k) for k in keys]
+            self.in_lengths = [list(n) for n in lengths]
+            plan = get_plan(keys, lengths, groups)  # layout errors
+            if allow_views and self.key_dim == 1:
+                specs = plan.view_specs()
+                if any(s is not None for s in specs):
+                    self.views = [[-1, 0, 0] if s is None else list(s) for s in specs]
+                    plan = plan.restricted([j for j, s in enumerate(specs) if s is None])
             self.out_lengths = list(plan.out_lengths)
-            permutes, in_shapes, out_shapes = plan.coalesced_tensors()
+            permutes, in_shapes, out_shapes = plan.tensors()
+            device = keyed_tensors[0].values().device
         # The truth on the host, for _apply; the buffers follow the module's device.
         self._host = (permutes, in_shapes, out_shapes)
-        device = torch.device("cpu") if keyed_tensors is None else keyed_tensors[0].values().device
         self.register_buffer("_permutes", permutes.to(device, copy=True), persistent=False)
         self.register_buffer("_in_shapes", in_shapes.to(device, copy=True), persistent=False)
         self.register_buffer("_out_shapes", out_shapes.to(device, copy=True), persistent=False)
 
     def matches(self, keyed_tensors: List[KeyedTensor]) -> bool:
         """Whether this plan serves ``keyed_tensors``: the keys and widths it was built
-        for, and buffers that hold values (not meta) wherever the data is.
-
-        Runs on every eager call, so it is written for speed: the same key-list object
-        every step (torchrec's EBC passes its own) compares by identity first, then in C.
-        """
-        in_keys = self.in_keys
-        if not isinstance(keyed_tensors, (list, tuple)) or len(keyed_tensors) != len(in_keys):
-            return False
-        if len(in_keys) == 0:
-            return False
-        key_dim = self.key_dim
-        for kt, keys, lengths in zip(keyed_tensors, in_keys, self.in_lengths):
-            if kt.key_dim() != key_dim:
-                return False
-            got = kt.keys()
-            if got != keys and (isinstance(got, list) or list(got) != keys):
-                return False
-            got = kt.length_per_key()
-            if got != lengths and (isinstance(got, list) or list(got) != lengths):
-                return False
-        return not self._buffers["_permutes"].is_meta or keyed_tensors[0].values().is_meta
+        for, and buffers that hold values (not meta) wherever the data is."""
+        return (
+            isinstance(keyed_tensors, (list, tuple))
+            and _matches(keyed_tensors, self.in_keys, self.in_lengths, self.key_dim)
+            and (not self._buffers["_permutes"].is_meta or keyed_tensors[0].values().is_meta)
+        )
 
     def _apply(self, fn, recurse=True):
         # Device moves keep the plan; to_empty() would leave garbage in its buffers: the
@@ -292,6 +202,11 @@ class RegroupPlanModule(torch.nn.Module):
         self._out_shapes = self._out_shapes.to(device)
 
 
+def _is_fx_tracing() -> bool:
+    """True under torchrec's tracer and plain ``torch.fx.symbolic_trace``."""
+    return _fx_trace._is_fx_tracing_flag and not torch.compiler.is_compiling()
+
+
 class KTRegroupAsDict(torch.nn.Module, CacheMixin):
     """Regroups a list of ``KeyedTensor``s into named groups, with a cached plan.
 
@@ -301,6 +216,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         groups: the keys of each output group (a key may appear in several groups).
         keys: the name of each output group.
         emb_dtype: optional dtype (torchrec ``DataType`` or ``torch.dtype``) of the outputs.
+            Without it, inputs of mixed dtypes are a ``TypeError``.
         multi_device: move the cached plan to the inputs' device on every call.
         allow_views: opt-in zero-copy. A group that is one contiguous run of columns of
             one input (e.g. all keys of one KeyedTensor, in order) comes back as a view
@@ -326,7 +242,6 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
     _dtype: Optional[torch.dtype]
     _multi_device: bool
     _allow_views: bool
-    _plain: bool
 
     def __init__(
         self,
@@ -355,26 +270,26 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         self._emb_dtype = emb_dtype
         self._multi_device = multi_device
         self._allow_views = allow_views
-        self._plain = self._dtype is None and not multi_device  # the op as is, no extras
         self._stale_warned = False
         self._plan = RegroupPlanModule()
 
     @torch.jit.ignore
-    def _build_plan(self, keyed_tensors: List[KeyedTensor]) -> RegroupPlanModule:
-        """Builds the plan for this layout and swaps it in (one assignment)."""
-        plan = RegroupPlanModule(
-            keyed_tensors, self._groups, self._allow_views, casts=self._dtype is not None
-        )
-        old = self._modules["_plan"]
-        changed = len(old.in_keys) > 0 and (
-            old.in_keys != plan.in_keys or old.in_lengths != plan.in_lengths
-        )
-        # dynamo cannot trace a logger call; the rebuild happens either way.
-        if changed and not self._stale_warned and not torch.compiler.is_compiling():
+    def _refresh(self, keyed_tensors: List[KeyedTensor]) -> RegroupPlanModule:
+        """Builds the plan of the inputs' layout and swaps it in (one assignment)."""
+        if not isinstance(keyed_tensors, (list, tuple)):
+            raise TypeError(
+                f"KTRegroupAsDict expects a list of KeyedTensors, got {type(keyed_tensors).__name__}"
+            )
+        for i, kt in enumerate(keyed_tensors):
+            if not isinstance(_waited(kt), KeyedTensor):
+                raise TypeError(
+                    f"KTRegroupAsDict: keyed_tensors[{i}] is a {type(kt).__name__}, not a KeyedTensor"
+                )
+        plan = RegroupPlanModule(keyed_tensors, self._groups, self._allow_views)
+        if len(self._plan.in_keys) > 0 and not self._stale_warned:
             logger.warning(
                 "KTRegroupAsDict(keys=%s): the inputs' keys or widths changed since the plan "
-                "was built; rebuilding it (shown once per module)",
-                self._keys,
+                "was built; rebuilding it (shown once per module)", self._keys,
             )
             self._stale_warned = True
         self._plan = plan
@@ -388,59 +303,20 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         Returns:
             One tensor per group, keyed by the group's name.
         """
+        plan = self._plan  # read once: other threads may swap in their own plans
+        checked = False
         if not torch.jit.is_scripting():
             if not _is_fx_tracing():
-                # Eager and torch.compile: one read of the plan, rebuilt if it is stale.
-                plan = self._modules["_plan"]
-                if not plan.matches(keyed_tensors):
-                    if torch.compiler.is_compiling():
-                        # A plan of the graph's own (constants), the module untouched: its
-                        # state is guarded, changing it would recompile on the next call.
-                        return _to_tensor_dict(self._keys, self._regroup_in_graph(keyed_tensors))
-                    plan = self._build_plan(keyed_tensors)
-                if plan.key_dim != 1:
-                    values = _cast(regroup(keyed_tensors, self._groups), self._dtype)
-                else:
-                    buffers = plan._buffers  # ~1 us cheaper per buffer than attribute access
-                    args = (
-                        [kt.values() for kt in keyed_tensors],
-                        buffers["_permutes"],
-                        buffers["_in_shapes"],
-                        buffers["_out_shapes"],
-                        plan.out_lengths,
-                    )
-                    if self._plain and len(plan.views) == 0:
-                        # The common case, kept short: it runs on every serving call.
-                        return dict(zip(self._keys, _PERMUTE(*args)))
-                    values = _permute(*args, self._multi_device, self._dtype, plan.views)
-                return _to_tensor_dict(self._keys, values)
-        # fx tracing and TorchScript: the captured plan, checked on every call.
-        values = _regroup_with_plan(
-            keyed_tensors,
-            self._groups,
-            self._plan.in_keys,
-            self._plan.in_lengths,
-            self._plan.key_dim,
-            self._plan._permutes,
-            self._plan._in_shapes,
-            self._plan._out_shapes,
-            self._plan.out_lengths,
-            self._multi_device,
-            self._dtype,
-            self._plan.views,
-        )
-        return _to_tensor_dict(self._keys, values)
-
-    @torch.jit.ignore
-    def _regroup_in_graph(self, keyed_tensors: List[KeyedTensor]) -> List[torch.Tensor]:
-        _check_inputs(keyed_tensors, self._dtype is not None)
-        if keyed_tensors[0].key_dim() != 1:
-            return _cast(regroup(keyed_tensors, self._groups), self._dtype)
-        plan, views = _layout_plan(keyed_tensors, self._groups, self._allow_views)
-        values = [kt.values() for kt in keyed_tensors]
-        return _permute(
-            values, *plan.coalesced_tensors(values[0].device), list(plan.out_lengths),
-            self._multi_device, self._dtype, views,
+                checked = plan.matches(keyed_tensors)
+                # Under torch.compile the module stays as it is (its state is guarded):
+                # _regroup computes a cold call in the graph.
+                if not checked and not torch.compiler.is_compiling():
+                    plan = self._refresh(keyed_tensors)
+                    checked = True
+        return _regroup(
+            keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device, checked,
+            plan.in_keys, plan.in_lengths, plan.key_dim, plan._permutes, plan._in_shapes,
+            plan._out_shapes, plan.out_lengths, plan.views,
         )
 
     @torch.jit.export
@@ -454,9 +330,3 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
     def _is_inited(self) -> bool:
         """torchrec's name for "the plan is built" (read by torchrec's tools and tests)."""
         return len(self._plan.in_keys) > 0
-
-
-# torchrec's IR serializer learns this class where torchrec.ir exists.
-from kt_regroup.torchrec_ir import register_ir_serializer  # noqa: E402
-
-register_ir_serializer()

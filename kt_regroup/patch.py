@@ -10,23 +10,25 @@
   ``_fbgemm_permute_pooled_embs`` -> ``kt_regroup.regroup``;
 * ``_kt_regroup_arguments`` (``jagged_tensor``, ``modules.regroup``) ->
   ``kt_regroup.kt_regroup_arguments`` (the same rows);
-* ``PermuteMultiEmbedding.forward`` (the permute inside torchrec's ``KTRegroupAsDict``)
-  -> torchrec's cached plan, run by ``torch.ops.kt_regroup.permute_multi_embedding``.
-
 What is swapped and what is not:
 
 * names are swapped, not objects: a ``KTRegroupAsDict`` constructed after patching is
-  kt_regroup's. One constructed before stays torchrec's class, but its permute runs on
-  ``torch.ops.kt_regroup`` (the ``PermuteMultiEmbedding.forward`` row), so it gets
-  kt_regroup's kernels and exact-zero gradients for unused keys too;
+  kt_regroup's; one constructed before stays torchrec's, and computes as torchrec does:
+  patch before you build the model;
 * only ``torchrec*`` modules are rebound. A module of yours that did
   ``from torchrec.modules.regroup import KTRegroupAsDict`` before patching keeps
-  torchrec's class (see above for what its instances compute with): patch first, or
+  torchrec's class: patch first, or
   refer to ``torchrec.modules.regroup.KTRegroupAsDict`` at call time;
 * ``unpatch_torchrec()`` restores every original, including in ``torchrec*`` modules
   imported while patched. Modules constructed while patched stay kt_regroup's;
 * what was captured before (a scripted module, an fx graph, a compiled or exported
   program) keeps what it captured; captures made while patched keep kt_regroup's.
+  TorchScript reuses the code it compiled for a module class: a class scripted before
+  patching keeps its unpatched ``KeyedTensor.regroup`` calls in later scripts too;
+* ``patch_torchrec()`` also makes the registrations kt_regroup's module needs in
+  torchrec and torch: :func:`kt_regroup.register_ir_serializer` (torchrec.ir, where
+  installed) and :func:`kt_regroup.register_keyed_tensor_pytree` (``KeyedTensor`` as a
+  ``torch.export`` input). ``import kt_regroup`` makes none of them.
 
 Every replacement stays traceable: the ``KeyedTensor`` methods call kt_regroup's
 functions through names that are ``torch.fx.wrap``-ed here (so fx and torchrec's
@@ -45,8 +47,8 @@ import torchrec.modules.regroup as _tr_regroup
 import torchrec.sparse.jagged_tensor as _tr_jagged
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-import kt_regroup.keyed_tensor_pytree  # noqa: F401  (KeyedTensor export inputs)
 from kt_regroup.functional import regroup, regroup_as_dict
+from kt_regroup.keyed_tensor_pytree import register_keyed_tensor_pytree
 from kt_regroup.module import KTRegroupAsDict
 from kt_regroup.ops import kt_regroup_arguments
 from kt_regroup.torchrec_ir import register_ir_serializer
@@ -61,38 +63,17 @@ torch.fx.wrap("regroup_as_dict")
 
 
 def _keyed_tensor_regroup(
-    keyed_tensors: List[KeyedTensor], groups: List[List[str]]
+    keyed_tensors: List["KeyedTensor"], groups: List[List[str]]
 ) -> List[torch.Tensor]:
     """``KeyedTensor.regroup`` on ``torch.ops.kt_regroup`` (installed by ``patch_torchrec``)."""
     return regroup(keyed_tensors, groups)
 
 
 def _keyed_tensor_regroup_as_dict(
-    keyed_tensors: List[KeyedTensor], groups: List[List[str]], keys: List[str]
+    keyed_tensors: List["KeyedTensor"], groups: List[List[str]], keys: List[str]
 ) -> Dict[str, torch.Tensor]:
     """``KeyedTensor.regroup_as_dict`` on ``torch.ops.kt_regroup`` (``patch_torchrec``)."""
     return regroup_as_dict(keyed_tensors, groups, keys)
-
-
-def _permute_multi_embedding_forward(self, values: List[torch.Tensor]) -> List[torch.Tensor]:
-    """torchrec's ``PermuteMultiEmbedding.forward``: its cached plan, kt_regroup's op.
-
-    The plan (``init_tensors``) is torchrec's row format, which the op reads as is.
-    """
-    out_lengths = self._out_lengths
-    if out_lengths is None:  # torchrec's module not initialised: it passes values through
-        return values
-    permutes = self._permutes
-    in_shapes = self._in_shapes
-    out_shapes = self._out_shapes
-    if self._multi_device:
-        device = values[0].device
-        permutes = permutes.to(device, non_blocking=True)
-        in_shapes = in_shapes.to(device, non_blocking=True)
-        out_shapes = out_shapes.to(device, non_blocking=True)
-    return torch.ops.kt_regroup.permute_multi_embedding(
-        values, permutes, in_shapes, out_shapes, out_lengths
-    )
 
 
 # Module-level objects of torchrec -> kt_regroup's, rebound wherever a torchrec* module
@@ -111,7 +92,6 @@ _MODULE_LEVEL: Dict[str, Tuple[ModuleType, Any]] = {
 _CLASS_LEVEL: List[Tuple[type, str, Any]] = [
     (KeyedTensor, "regroup", staticmethod(_keyed_tensor_regroup)),
     (KeyedTensor, "regroup_as_dict", staticmethod(_keyed_tensor_regroup_as_dict)),
-    (_tr_regroup.PermuteMultiEmbedding, "forward", _permute_multi_embedding_forward),
 ]
 
 _lock = threading.Lock()
@@ -119,14 +99,6 @@ _lock = threading.Lock()
 _ORIGINALS: Dict[str, Any] = {name: getattr(mod, name) for name, (mod, _) in _MODULE_LEVEL.items()}
 _CLASS_ORIGINALS: List[Any] = [cls.__dict__[name] for cls, name, _ in _CLASS_LEVEL]
 _patched = False
-
-
-def _forget_scripted_classes() -> None:
-    # TorchScript reuses the compiled methods of a module class (and of every module
-    # holding one) for later instances of the same structure: after a swap of
-    # PermuteMultiEmbedding.forward, later scripts must compile afresh. A new store is
-    # what torch's own test utilities use; already scripted modules keep their code.
-    torch.jit._recursive.concrete_type_store = torch.jit._recursive.ConcreteTypeStore()
 
 
 def _torchrec_modules() -> List[ModuleType]:
@@ -183,6 +155,7 @@ def patch_torchrec() -> _TorchrecPatch:
     """
     global _patched
     register_ir_serializer()  # torchrec.ir, where installed, must know the swapped-in class
+    register_keyed_tensor_pytree()  # KeyedTensor inputs of torch.export
     with _lock:
         applied = not _patched
         swap = {id(_ORIGINALS[n]): (_ORIGINALS[n], new) for n, (_, new) in _MODULE_LEVEL.items()}
@@ -191,7 +164,6 @@ def patch_torchrec() -> _TorchrecPatch:
             if cls.__dict__[name] is not new:
                 setattr(cls, name, new)
                 done.append(f"{cls.__module__}.{cls.__qualname__}.{name} -> kt_regroup")
-        _forget_scripted_classes()
         _patched = True
     for line in done:
         logger.info("kt_regroup.patch_torchrec: %s", line)
@@ -213,7 +185,6 @@ def unpatch_torchrec() -> None:
             if cls.__dict__[name] is new:
                 setattr(cls, name, original)
                 done.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
-        _forget_scripted_classes()
         _patched = False
     for line in done:
         logger.info("kt_regroup.unpatch_torchrec: restored %s", line)

@@ -19,6 +19,8 @@ from torchrec.modules.embedding_configs import data_type_to_dtype, dtype_to_data
 from torchrec.sparse.jagged_tensor import KeyedTensor
 from torchrec.types import DataType
 
+from kt_regroup.module import KTRegroupAsDict
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["register_ir_serializer"]
@@ -77,7 +79,6 @@ def register_ir_serializer() -> bool:
         >>> restored = decapsulate_ir_modules(torch.export.unflatten(ep), JsonSerializer)
     """
     global _serializer
-    from kt_regroup.module import KTRegroupAsDict  # here: module.py may call this on import
 
     try:
         from torchrec.ir.schema import KTRegroupAsDictMetadata

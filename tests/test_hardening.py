@@ -71,9 +71,9 @@ def test_one_module_many_threads_different_key_orders():
     assert failures == []
 
 
-def test_plan_cache_under_concurrent_eviction(monkeypatch):
-    # Threads that miss at once used to evict the same oldest entry: KeyError.
-    monkeypatch.setattr(plan_module, "MAX_PLANS", 4)
+def test_plan_cache_under_concurrent_eviction():
+    # Threads that miss at once used to evict the same oldest entry: KeyError. 8 threads x
+    # 300 layouts of 2 widths each, through a cache of 128: evictions all the time.
     errors: list = []
     start = threading.Barrier(8)
 
@@ -81,7 +81,7 @@ def test_plan_cache_under_concurrent_eviction(monkeypatch):
         start.wait()
         try:
             for i in range(300):
-                widths = [1 + (t + i) % 9, 2]
+                widths = [1 + (t * 300 + i) % 997, 2 + i % 3]
                 plan = kt_regroup.get_plan([["p", "q"]], [widths], [["q", "p"]])
                 assert plan.out_lengths == (sum(widths),)
         except Exception as exc:  # noqa: BLE001  (any exception is the failure)
@@ -98,7 +98,8 @@ def test_plan_cache_under_concurrent_eviction(monkeypatch):
     finally:
         sys.setswitchinterval(interval)
     assert errors == []
-    assert len(plan_module._plans) <= 4
+    info = plan_module._cached.cache_info()
+    assert info.currsize <= info.maxsize
 
 
 def _kt(keys, widths, batch=3, key_dim=1):
@@ -144,10 +145,11 @@ def test_careless_calls_get_clear_errors():
         module(kt)
     with pytest.raises(TypeError, match=r"keyed_tensors\[1\] is a Tensor"):
         module([kt, torch.ones(3, 1)])
-    with pytest.raises(TypeError, match=r"width 2.7, a float"):
-        kt_regroup.RegroupPlan.build([["a"]], [[2.7]], [["a"]])
-    with pytest.raises(TypeError, match=r"width '3', a str"):
-        kt_regroup.RegroupPlan.build([["a"]], [["3"]], [["a"]])
+    # The op schema refuses widths that are not ints, showing the value.
+    with pytest.raises(RuntimeError, match=r"(?s)'List\[List\[int\]\]' for argument 'lengths'.*2\.7"):
+        kt_regroup.get_plan([["a"]], [[2.7]], [["a"]])
+    with pytest.raises(RuntimeError, match=r"(?s)'List\[List\[int\]\]' for argument 'lengths'.*'3'"):
+        kt_regroup.get_plan([["a"]], [["3"]], [["a"]])
     p, i, o, _ = kt_regroup.kt_regroup_arguments(torch.empty(0), [["a"]], [[2]], [["a"]])
     backward = torch.ops.kt_regroup.permute_multi_embedding_backward
     with pytest.raises(ValueError, match=r"in_lengths\[0\] is negative \(-2\)"):

@@ -101,14 +101,14 @@ def test_ten_thousand_warm_calls_do_not_grow_memory_or_live_tensors(backward):
 def test_plan_cache_stays_bounded():
     layout = lambda n: (KEYS, [[1 + n, 7, 127], [64, 64]], GROUPS)  # noqa: E731
     first = plan_module.get_plan(*layout(0))
-    for n in range(3 * plan_module.MAX_PLANS):  # distinct layouts: all but the first miss
+    size = plan_module._cached.cache_info().maxsize
+    for n in range(3 * size):  # distinct layouts: all but the first miss
         last = plan_module.get_plan(*layout(n))
-        # Memoised metadata tensors: one set per (device, format), however often asked.
-        last.tensors(), last.coalesced_tensors(), last.tensors("cpu")
-        assert len(last._tensors) == 2
-        assert len(plan_module._plans) <= plan_module.MAX_PLANS
-    assert len(plan_module._plans) == plan_module.MAX_PLANS
-    assert plan_module.get_plan(*layout(3 * plan_module.MAX_PLANS - 1)) is last  # newest kept
+        # The caller's own tensors, every time: the plan holds none.
+        assert last.tensors()[0] is not last.tensors()[0]
+        assert plan_module._cached.cache_info().currsize <= size
+    assert plan_module._cached.cache_info().currsize == size
+    assert plan_module.get_plan(*layout(3 * size - 1)) is last  # newest kept
     assert plan_module.get_plan(*layout(0)) is not first  # oldest evicted, built afresh
 
 
@@ -123,4 +123,5 @@ def test_module_keeps_one_plan_across_layout_changes():
         assert len(plans) == 1
         assert plans[0] is not held
         held = plans[0]
-    assert len(plan_module._plans) <= plan_module.MAX_PLANS
+    info = plan_module._cached.cache_info()
+    assert info.currsize <= info.maxsize

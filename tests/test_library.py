@@ -1,8 +1,9 @@
-"""The compiled op library: built at install time, loaded at import (never compiled
-there), the same schemas as the Python fallback, and a clear fallback without it."""
+"""The compiled op library: required, built at install time, loaded at import (never
+compiled there), and ``import kt_regroup`` changes nothing of torch's or torchrec's."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pathlib
@@ -10,144 +11,182 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import venv
 
 import pytest
 import torch
 
 import kt_regroup
-from kt_regroup import ops
 
 PACKAGE = pathlib.Path(kt_regroup.__file__).resolve().parent
-needs_library = pytest.mark.skipif(
-    kt_regroup.library_path() is None, reason="the compiled op library is not loaded"
-)
+REPO = PACKAGE.parent
+SCHEMAS = {
+    "permute_multi_embedding", "permute_multi_embedding_backward", "permute_multi_embedding_to",
+    "permute_multi_embedding_into", "kt_regroup_arguments", "regroup_keyed_tensor",
+}
 
 
-def run_python(code: str, cwd=None, **env) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ)
-    full_env.pop("KT_REGROUP_BACKEND", None)
-    full_env.update(env)
+def run_python(code: str, cwd=None, python=sys.executable, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=full_env, timeout=300, cwd=cwd,
+        [python, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env={**os.environ, **env}, timeout=300, cwd=cwd,
     )
 
 
-SCHEMAS = """
-    import json, torch, kt_regroup
-    names = sorted(s.name for s in torch._C._jit_get_all_schemas() if s.name.startswith("kt_regroup::"))
-    print(json.dumps({
-        "library": kt_regroup.library_path(),
-        "schemas": {n: str(getattr(torch.ops.kt_regroup, n.split("::")[1]).default._schema) for n in names},
-    }))
-"""
+def test_library_defines_every_schema():
+    proc = run_python("""
+        import json, torch, kt_regroup
+        print(json.dumps(sorted(s.name for s in torch._C._jit_get_all_schemas()
+                                if s.name.startswith("kt_regroup::"))))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == sorted(f"kt_regroup::{n}" for n in SCHEMAS)
 
 
-@needs_library
-def test_library_schemas_equal_the_python_fallback_schemas():
-    with_library = json.loads(run_python(SCHEMAS).stdout.splitlines()[-1])
-    fallback = json.loads(run_python(SCHEMAS, KT_REGROUP_BACKEND="reference").stdout.splitlines()[-1])
-    assert with_library["library"] is not None and fallback["library"] is None
-    assert with_library["schemas"] == fallback["schemas"]
-    assert sorted(with_library["schemas"]) == sorted(f"kt_regroup::{n}" for n in ops.SCHEMAS)
-
-
-@needs_library
 def test_fbgemm_schemas_are_kept():
-    fbgemm = pytest.importorskip("fbgemm_gpu")  # noqa: F841
+    pytest.importorskip("fbgemm_gpu")
     for name in ("permute_multi_embedding", "kt_regroup_arguments", "regroup_keyed_tensor"):
         ours = str(getattr(torch.ops.kt_regroup, name).default._schema)
         theirs = str(getattr(torch.ops.fbgemm, name).default._schema)
         assert ours.split("::")[1] == theirs.split("::")[1], name
 
 
-@needs_library
 def test_import_compiles_nothing_and_writes_nothing(tmp_path):
     # A fresh process with an unwritable home: importing must not build, cache or write.
     proc = run_python(
         """
-        import sys, torch, kt_regroup
+        import json, sys, torch, kt_regroup
         x = torch.ones(2, 3)
         out = kt_regroup.regroup_keyed_tensor([x], [["a", "b"]], [[1, 2]], [["b"]])
-        print(json.dumps([kt_regroup.library_path(), kt_regroup.backend("cpu"), out[0].shape[1],
-              "torch.utils.cpp_extension" in sys.modules, torch.cuda.is_initialized()]))
-        """.replace("import sys", "import json, sys"),
+        print(json.dumps([out[0].shape[1], "torch.utils.cpp_extension" in sys.modules,
+                          "triton" in sys.modules, torch.cuda.is_initialized()]))
+        """,
         cwd=tmp_path, HOME="/nonexistent", XDG_CACHE_HOME="/nonexistent",
     )
     assert proc.returncode == 0, proc.stderr
-    # No cpp_extension import (nothing can compile), no CUDA initialisation.
-    assert json.loads(proc.stdout.splitlines()[-1]) == [kt_regroup.library_path(), "cpp", 2, False, False]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [2, False, False, False]
     assert list(tmp_path.iterdir()) == []
     assert "warning" not in proc.stderr.lower(), proc.stderr
 
 
-@needs_library
+STATE = """
+    import json, torch, torch.utils._pytree as pytree
+    import torchrec.modules.regroup as tr_regroup
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    def state():
+        node = pytree.SUPPORTED_NODES.get(KeyedTensor)
+        serial = pytree.SUPPORTED_SERIALIZED_TYPES.get(KeyedTensor)
+        return {
+            "pytree node": repr(node),
+            "pytree serializer": repr(serial),
+            "safe globals": repr(torch.serialization.get_safe_globals()),
+            "KeyedTensor.regroup": repr(KeyedTensor.__dict__["regroup"]),
+            "KeyedTensor.regroup_as_dict": repr(KeyedTensor.__dict__["regroup_as_dict"]),
+            "torchrec KTRegroupAsDict": repr(tr_regroup.KTRegroupAsDict),
+            "jit type store": id(torch.jit._recursive.concrete_type_store),
+        }
+
+    before = state()
+    import kt_regroup
+    # The lazy torchrec-facing API too: the module, the functions, the IR serializer.
+    kt_regroup.KTRegroupAsDict, kt_regroup.regroup, kt_regroup.patch_torchrec
+    import kt_regroup.torchrec_ir, kt_regroup.keyed_tensor_pytree
+    after = state()
+    kt_regroup.patch_torchrec()
+    patched = state()
+    print(json.dumps([before, after, patched]))
+"""
+
+
+def test_import_changes_no_torch_or_torchrec_state():
+    proc = run_python(STATE)
+    assert proc.returncode == 0, proc.stderr
+    before, after, patched = json.loads(proc.stdout.splitlines()[-1])
+    assert after == before
+    # patch_torchrec() is where the registrations happen (the pytree node's keys
+    # function, safe globals) and the regroups are rebound.
+    changed = {k for k in before if patched[k] != before[k]}
+    assert {"pytree node", "safe globals", "KeyedTensor.regroup"} <= changed, changed
+    assert "jit type store" not in changed
+
+
 def test_library_records_the_torch_it_was_built_with():
-    built = ops._built_with_torch(pathlib.Path(kt_regroup.library_path()))
-    assert built == torch.__version__.split("+")[0]
+    built = ctypes.CDLL(kt_regroup.library_path()).kt_regroup_built_with_torch
+    built.restype = ctypes.c_char_p
+    assert built().decode().split("+")[0] == torch.__version__.split("+")[0]
 
 
-def _package_copy(tmp_path, library: bytes | None) -> pathlib.Path:
-    """The package in a folder of its own, with no library or a given one."""
+def _package_copy(tmp_path, library: bytes | None, checkout: bool = False) -> pathlib.Path:
+    """The package in a folder of its own, with no library or a given one; ``checkout``
+    adds the sources and a setup.py beside it, as in a source tree."""
     copy = tmp_path / "site"
-    shutil.copytree(PACKAGE, copy / "kt_regroup", ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    shutil.copytree(
+        PACKAGE, copy / "kt_regroup",
+        ignore=shutil.ignore_patterns("_C*.so", "__pycache__", *(() if checkout else ("csrc",))),
+    )
+    if checkout:
+        (copy / "setup.py").write_text("")
     if library is not None:
         (copy / "kt_regroup" / "_C.so").write_bytes(library)
     return copy
 
 
+@pytest.mark.parametrize("library", [None, b"not an ELF file"], ids=["absent", "unloadable"])
+def test_without_a_usable_library_import_fails_saying_how_to_build_it(tmp_path, library):
+    site = _package_copy(tmp_path, library)
+    proc = run_python("import kt_regroup", cwd=tmp_path, PYTHONPATH=str(site))
+    assert proc.returncode != 0
+    assert "ImportError: kt_regroup: " in proc.stderr, proc.stderr
+    assert ("is not built" if library is None else "does not load") in proc.stderr
+    assert "pip install --no-build-isolation ." in proc.stderr
+
+
 PROBE = """
-    import json, torch, kt_regroup
-    a = torch.randn(2, 5, requires_grad=True)
-    outs = kt_regroup.regroup_keyed_tensor([a], [["x", "y"]], [[2, 3]], [["y", "x"], ["x"]])
-    sum(o.sum() for o in outs).backward()
-    print(json.dumps({
-        "library": kt_regroup.library_path(),
-        "backend": kt_regroup.backend("cpu"),
-        "widths": [o.shape[1] for o in outs],
-        "grad_row": a.grad[0].tolist(),
-    }))
+    import torch, kt_regroup
+    out = kt_regroup.regroup_keyed_tensor([torch.arange(5.0).view(1, 5)], [["x", "y"]],
+                                          [[2, 3]], [["y", "x"]])
+    assert out[0].tolist() == [[2.0, 3.0, 4.0, 0.0, 1.0]], out
+    print("ok")
 """
 
 
-@pytest.mark.parametrize("library", [None, b"not an ELF file"], ids=["absent", "unloadable"])
-def test_without_a_usable_library_one_warning_and_the_python_fallback(tmp_path, library):
-    site = _package_copy(tmp_path, library)
-    proc = run_python(PROBE, cwd=tmp_path, PYTHONPATH=str(site))
-    assert proc.returncode == 0, proc.stderr
-    info = json.loads(proc.stdout.splitlines()[-1])
-    assert info == {
-        "library": None,
-        "backend": "reference",
-        "widths": [5, 2],
-        "grad_row": [2.0, 2.0, 1.0, 1.0, 1.0],
-    }
-    assert proc.stderr.count("kt_regroup: the compiled op library") == 1, proc.stderr
-    assert ("is not built" if library is None else "does not load") in proc.stderr
-    assert "using the portable PyTorch kernels" in proc.stderr
-
-
-def test_required_library_raises_when_absent(tmp_path):
-    site = _package_copy(tmp_path, None)
-    proc = run_python("import kt_regroup", cwd=tmp_path, PYTHONPATH=str(site), KT_REGROUP_BACKEND="cpp")
-    assert proc.returncode != 0
-    assert "KT_REGROUP_BACKEND=cpp but the compiled op library is not built" in proc.stderr
-
-
-def test_unknown_backend_is_named():
-    proc = run_python("import kt_regroup", KT_REGROUP_BACKEND="cuda-magic")
-    assert proc.returncode != 0
-    assert "KT_REGROUP_BACKEND='cuda-magic'" in proc.stderr
-
-
-@needs_library
-def test_outdated_library_is_reported(tmp_path):
-    site = _package_copy(tmp_path, pathlib.Path(kt_regroup.library_path()).read_bytes())
+@pytest.mark.parametrize("checkout", [True, False], ids=["source-tree", "installed"])
+def test_outdated_library_is_reported_only_in_a_source_tree(tmp_path, checkout):
+    site = _package_copy(tmp_path, pathlib.Path(kt_regroup.library_path()).read_bytes(), checkout)
     library = site / "kt_regroup" / "_C.so"
-    source = site / "kt_regroup" / "csrc" / "ops.cpp"
     os.utime(library, (1_000_000, 1_000_000))  # built long before its sources changed
     proc = run_python(PROBE, cwd=tmp_path, PYTHONPATH=str(site))
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.splitlines()[-1])["backend"] == "cpp"
-    assert f"{library} is older than the sources" in proc.stderr
-    assert source.exists()
+    assert proc.stdout.split() == ["ok"]
+    assert (f"{library} is older than the sources" in proc.stderr) is checkout, proc.stderr
+
+
+def test_wheel_installs_into_a_fresh_venv_and_imports_silently(tmp_path):
+    # The README's "own environment" install, as a user runs it: a wheel of this checkout
+    # in a fresh venv (torch and torchrec from the test environment, via a .pth path).
+    dist = tmp_path / "dist"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q",
+         "-w", str(dist), str(REPO)],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = dist.glob("kt_regroup-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    site = next(env_dir.glob("lib/python*/site-packages"))
+    deps = next(p for p in map(pathlib.Path, sys.path) if p.name == "site-packages" and p.is_dir())
+    (site / "deps.pth").write_text(f"{deps}\n")
+    python = str(env_dir / "bin" / "python")
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q",
+         str(wheel)], capture_output=True, text=True, timeout=300,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    code = textwrap.dedent(PROBE) + "print(kt_regroup.__file__)\n"
+    proc = run_python(code, cwd=tmp_path, python=python, PYTHONPATH="")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "ok"
+    assert proc.stdout.split()[1].startswith(str(site)), proc.stdout
+    assert proc.stderr == "", proc.stderr

@@ -27,14 +27,13 @@ from conftest import (
     needs_fbgemm,
     random_layout,
 )
-from torchrec.sparse.jagged_tensor import _kt_regroup_arguments
-
-import kt_regroup
-from kt_regroup.kernels.reference import (
+from reference import (
     permute_multi_embedding_backward_reference,
     permute_multi_embedding_reference,
 )
-from kt_regroup.plan import RegroupPlan
+from torchrec.sparse.jagged_tensor import _kt_regroup_arguments
+
+import kt_regroup
 
 LAYOUTS = {f"seed{s}": random_layout(s) for s in SEEDS}
 LAYOUTS["small"] = SMALL_LAYOUT
@@ -42,15 +41,10 @@ LAYOUTS["small"] = SMALL_LAYOUT
 
 
 def _args(kind, values, layout):
-    """The op's metadata three ways: torchrec's builder, ours, our coalesced plan."""
+    """The op's metadata two ways: torchrec's builder, ours."""
     if kind == "torchrec":
         return _kt_regroup_arguments(values[0], layout.keys, layout.lengths, layout.groups)
-    if kind == "ours":
-        return kt_regroup.kt_regroup_arguments(
-            values[0], layout.keys, layout.lengths, layout.groups
-        )
-    plan = RegroupPlan.build(*layout)
-    return (*plan.coalesced_tensors(values[0].device), plan.out_lengths)
+    return kt_regroup.kt_regroup_arguments(values[0], layout.keys, layout.lengths, layout.groups)
 
 
 # --- forward parity ---------------------------------------------------------------------
@@ -65,7 +59,7 @@ def test_permute_multi_embedding_parity(name, dtype, batch, noncontiguous):
     values = make_values(layout, batch, dtype, noncontiguous, seed=batch)
     before = clone_all(values)
     expected = expected_regroup(values, layout)
-    for kind in ("torchrec", "ours", "coalesced"):
+    for kind in ("torchrec", "ours"):
         args = _args(kind, values, layout)
         out = torch.ops.kt_regroup.permute_multi_embedding(values, *args)
         assert_same_list(out, expected)
@@ -411,73 +405,6 @@ def test_half_precision_duplicates_accumulate_in_float32():
     assert x.grad.item() == 2050.0
 
 
-# --- the portable backend, forced ------------------------------------------------------------
-
-
-def test_backend_reports_what_serves_cpu():
-    import os
-
-    backend = kt_regroup.backend("cpu")
-    native = "cpp" if kt_regroup.library_path() is not None else "reference"
-    wanted = os.environ.get("KT_REGROUP_BACKEND", "auto")
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    # A requested triton/fbgemm backend that cannot load falls back to the native kernel.
-    allowed = {
-        "reference": {"reference"},
-        "triton": {"triton", native} if interpreted else {native},
-        "fbgemm": {"fbgemm", native},
-    }.get(wanted, {native})
-    assert backend in allowed, (wanted, backend)
-
-
-@pytest.mark.skipif(
-    kt_regroup.backend("cpu") == "reference",
-    reason="this run already uses the portable kernels and their Python autograd",
-)
-def test_forced_reference_backend_passes_op_and_autograd_tests(tmp_path):
-    # Without the compiled library the schemas, kernels and autograd are Python's: rerun
-    # the op, opcheck, gradient, compile and plan-cache tests with
-    # KT_REGROUP_BACKEND=reference so the fallback of users without the library is
-    # covered too.
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    tests = pathlib.Path(__file__).resolve().parent
-    env = dict(os.environ, KT_REGROUP_BACKEND="reference")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tests.parent), env.get("PYTHONPATH")]))
-    select = (
-        "opcheck or gradcheck or backward or gradients or compile_fullgraph or backend_reports"
-        " or test_permute_multi_embedding_parity or inference_mode or plan_cache"
-        " or distinct_layouts or equals_torchrec or mixed"
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-x",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            select,
-            str(tests / "test_ops.py"),
-            str(tests / "test_module.py"),
-            str(tests / "test_plan.py"),
-        ],
-        check=False,
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
 def test_fused_cast_of_mixed_input_dtypes(dtype):
     # Each input cast in the copy, whatever its dtype and position (the byte copy of an
@@ -486,7 +413,7 @@ def test_fused_cast_of_mixed_input_dtypes(dtype):
     mixed = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
     values = [v.to(mixed[i % 4]) for i, v in enumerate(make_values(layout, 6, torch.float64))]
     before = clone_all(values)
-    for kind in ("torchrec", "coalesced"):
+    for kind in ("torchrec", "ours"):
         args = _args(kind, values, layout)
         got = torch.ops.kt_regroup.permute_multi_embedding_to(values, *args, dtype)
         expected = expected_regroup([v.to(dtype) for v in values], layout)

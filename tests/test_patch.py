@@ -117,7 +117,6 @@ def _originals() -> Dict[str, object]:
         "regroup._kt_regroup_arguments": tr_regroup._kt_regroup_arguments,
         "KeyedTensor.regroup": KeyedTensor.__dict__["regroup"],
         "KeyedTensor.regroup_as_dict": KeyedTensor.__dict__["regroup_as_dict"],
-        "PermuteMultiEmbedding.forward": tr_regroup.PermuteMultiEmbedding.__dict__["forward"],
     }
 
 
@@ -139,11 +138,7 @@ def test_patch_rebinds_every_name_is_idempotent_and_unpatch_restores_the_origina
     assert tr_jagged._kt_regroup_arguments is kt_regroup.kt_regroup_arguments
     assert tr_regroup._kt_regroup_arguments is kt_regroup.kt_regroup_arguments
     patched = _originals()
-    for name in (
-        "KeyedTensor.regroup",
-        "KeyedTensor.regroup_as_dict",
-        "PermuteMultiEmbedding.forward",
-    ):
+    for name in ("KeyedTensor.regroup", "KeyedTensor.regroup_as_dict"):
         assert patched[name] is not before[name], name
     kt_regroup.unpatch_torchrec()
     kt_regroup.unpatch_torchrec()  # idempotent
@@ -236,16 +231,21 @@ def test_kt_regroup_arguments_equal_torchrec_rows():
     assert list(got[3]) == list(expected[3])
 
 
-def test_module_built_before_patching_runs_on_kt_regroup():
+def test_module_built_before_patching_stays_torchrecs_and_one_built_after_is_ours():
     layout = SMALL_LAYOUT
     before = tr_regroup.KTRegroupAsDict(layout.groups, _names(layout.groups))
     values = make_values(layout, 4)
-    expected = before(keyed_tensors(layout, values))  # torchrec's plan, FBGEMM
-    with kt_regroup.patch_torchrec(), OpRecorder() as rec:
+    expected = before(keyed_tensors(layout, values))
+    with kt_regroup.patch_torchrec():
         got = before(keyed_tensors(layout, values))
-    assert type(before) is not kt_regroup.KTRegroupAsDict  # the instance is not swapped
-    rec.assert_fused()  # ... its permute is
+        after = tr_regroup.KTRegroupAsDict(layout.groups, _names(layout.groups))
+        with OpRecorder() as rec:
+            got_after = after(keyed_tensors(layout, values))
+    assert type(before) is not kt_regroup.KTRegroupAsDict  # objects are not swapped
+    assert type(after) is kt_regroup.KTRegroupAsDict
+    rec.assert_fused()
     assert_same_list(list(got.values()), list(expected.values()))
+    assert_same_list(list(got_after.values()), list(expected.values()))
 
 
 @pytest.mark.parametrize("data_type", [DataType.FP16, DataType.BF16], ids=str)
@@ -394,24 +394,16 @@ class _ScriptedCalls(torch.nn.Module):
         return out
 
 
-def test_torchscript_of_torchrec_calls_and_of_a_module_built_before_patching():
+def test_torchscript_of_torchrec_calls():
     layout = SMALL_LAYOUT
-    before = tr_regroup.KTRegroupAsDict(layout.groups, _names(layout.groups))
-    before(keyed_tensors(layout, make_values(layout, 2)))
-    torch.jit.script(before)  # scripted unpatched first: the patch must not reuse this code
     with kt_regroup.patch_torchrec():
         calls = torch.jit.script(_ScriptedCalls())
-        scripted_before = torch.jit.script(before)
-    assert (
-        "ops.kt_regroup.permute_multi_embedding" in scripted_before._permute_pooled_embs_impl.code
-    )
     values = make_values(layout, 5)
     expected = KeyedTensor.regroup(keyed_tensors(layout, values), layout.groups)
     with OpRecorder() as rec:
         got = calls(keyed_tensors(layout, values), layout.groups)
     rec.assert_fused()
     assert_same_list(got, expected * 4)
-    assert_same_list(list(scripted_before(keyed_tensors(layout, values)).values()), expected)
 
 
 def test_torch_compile_fullgraph_forward_and_backward():

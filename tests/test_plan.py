@@ -1,5 +1,5 @@
-"""The permute plan: torchrec's argument format, exactly, coalescing that changes nothing,
-and the one plan cache, which must never hand out another layout's plan."""
+"""The permute plan: torchrec's argument format, exactly, built by the library's op, and
+the one plan cache, which must never hand out another layout's plan."""
 
 import itertools
 
@@ -15,12 +15,14 @@ from conftest import (
     needs_fbgemm,
     random_layout,
 )
+from reference import permute_multi_embedding_reference
 from torchrec.sparse.jagged_tensor import _kt_regroup_arguments
 
 import kt_regroup
 from kt_regroup import plan as plan_module
-from kt_regroup.kernels.reference import permute_multi_embedding_reference
-from kt_regroup.plan import PERMUTE_COLUMNS, RegroupPlan
+from kt_regroup.plan import get_plan
+
+PERMUTE_COLUMNS = 6
 
 LAYOUTS = (
     [SMALL_LAYOUT]
@@ -55,7 +57,7 @@ def test_plan_tensors_equal_the_op_and_torchrec(layout):
     # RegroupPlan (Python) and the kt_regroup_arguments op (C++ where the library is
     # loaded) are two builders of one format: torchrec's.
     embs = torch.empty(0)
-    plan = RegroupPlan.build(*layout)
+    plan = get_plan(*layout)
     theirs = _kt_regroup_arguments(embs, layout.keys, layout.lengths, layout.groups)
     for a, b in zip(plan.tensors(), theirs[:3]):
         assert torch.equal(a, b)
@@ -73,7 +75,7 @@ def test_kt_regroup_arguments_op_and_python_function_agree():
 
 
 def test_small_layout_rows_by_hand():
-    plan = RegroupPlan.build(*SMALL_LAYOUT)
+    plan = get_plan(*SMALL_LAYOUT)
     # [in_tensor, out_tensor, in_offset, out_offset, length, next]
     assert [list(r[:5]) for r in plan.rows] == [
         [1, 0, 0, 0, 1],  # c
@@ -88,60 +90,23 @@ def test_small_layout_rows_by_hand():
     assert plan.out_lengths == (5, 133, 1)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS[:6], ids=str)
-def test_coalesced_plan_computes_the_same(layout):
-    plan = RegroupPlan.build(*layout)
-    values = make_values(layout, batch=3)
-    full = permute_multi_embedding_reference(values, *plan.tensors(), plan.out_lengths)
-    merged = permute_multi_embedding_reference(
-        values, *plan.coalesced_tensors(), plan.out_lengths
-    )
-    assert_same_list(full, expected_regroup(values, layout))
-    assert_same_list(merged, full)
-    assert len(plan.coalesced_rows) <= len(plan.rows)
-
-
-def test_coalesce_merges_adjacent_runs_of_single_use_keys_only():
-    # a|b|c contiguous in input 0 and in group 0; 'b' is also used by group 1, so its
-    # row keeps its duplicate chain and is not merged; 'z' has width 0.
-    plan = RegroupPlan.build(
-        [["a", "b", "c", "z"], ["d"]], [[2, 3, 1, 0], [4]], [["a", "b", "c", "z", "d"], ["b"]]
-    )
-    assert [list(r) for r in plan.rows] == [
-        [0, 0, 0, 0, 2, 0],
-        [0, 0, 2, 2, 3, 5],  # b -> its second use, row 5
-        [0, 0, 5, 5, 1, 0],
-        [0, 0, 6, 6, 0, 0],
-        [1, 0, 0, 6, 4, 0],
-        [0, 1, 2, 0, 3, -6],  # last use of b: minus the row count
-    ]
-    assert [list(r) for r in plan.coalesced_rows] == [
-        [0, 0, 0, 0, 2, 0],
-        [0, 0, 2, 2, 3, 4],  # chain renumbered
-        [0, 0, 5, 5, 1, 0],  # z (empty) merged into c
-        [1, 0, 0, 6, 4, 0],
-        [0, 1, 2, 0, 3, -5],
-    ]
-
-
 @needs_fbgemm
-@pytest.mark.parametrize("form", ["tensors", "coalesced_tensors"])
-def test_plan_tensors_give_fbgemm_the_right_gradient_for_duplicates(form):
-    # FBGEMM's backward follows the `next` chain: with a chain lost in coalescing, the
-    # gradient of a duplicated key came out 1.0 instead of 2.0.
+def test_plan_tensors_give_fbgemm_the_right_gradient_for_duplicates():
+    # FBGEMM's backward follows the `next` chain: with a chain lost, the gradient of a
+    # duplicated key comes out 1.0 instead of 2.0.
     layout = Layout([["a", "b"]], [[2, 3]], [["a", "b"], ["a"]])
     x = torch.ones(4, 5, requires_grad=True)
-    plan = RegroupPlan.build(*layout)
-    outs = torch.ops.fbgemm.permute_multi_embedding([x], *getattr(plan, form)(), plan.out_lengths)
+    plan = get_plan(*layout)
+    outs = torch.ops.fbgemm.permute_multi_embedding([x], *plan.tensors(), plan.out_lengths)
     sum(o.sum() for o in outs).backward()
     assert torch.equal(x.grad, torch.tensor([[2.0, 2.0, 1.0, 1.0, 1.0]] * 4))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{len(lay.keys)}in-{len(lay.groups)}out")
-def test_coalesced_chains_are_valid_torchrec_chains(layout):
-    # Follow every chain of the coalesced rows: it must visit exactly the rows that copy
-    # the same input block, first to last, and end with minus the row count.
-    rows = RegroupPlan.build(*layout).coalesced_rows
+def test_duplicate_chains_are_valid_torchrec_chains(layout):
+    # Follow every chain of the rows: it must visit exactly the rows that copy the same
+    # input block, first to last, and end with minus the row count.
+    rows = get_plan(*layout).rows
     visited = set()
     for i, row in enumerate(rows):
         if row[5] <= 0 or i in visited:
@@ -158,12 +123,6 @@ def test_coalesced_chains_are_valid_torchrec_chains(layout):
     assert all(r[5] <= 0 or i in visited for i, r in enumerate(rows))
 
 
-def test_coalesced_keys_contiguous_in_input_and_output_become_one_row():
-    plan = RegroupPlan.build([["a", "b", "c"]], [[1, 3, 7]], [["a", "b", "c"]])
-    assert [list(r) for r in plan.coalesced_rows] == [[0, 0, 0, 0, 11, 0]]
-    assert len(plan.rows) == 3
-
-
 def test_get_plan_is_memoised_and_accepts_tuples_or_lists():
     L = SMALL_LAYOUT
     p1 = kt_regroup.get_plan(L.keys, L.lengths, L.groups)
@@ -171,11 +130,11 @@ def test_get_plan_is_memoised_and_accepts_tuples_or_lists():
         tuple(tuple(k) for k in L.keys), [list(x) for x in L.lengths], [tuple(g) for g in L.groups]
     )
     assert p1 is p2
-    assert p1 == RegroupPlan.build(*L)
+    assert p1 == get_plan(*L)
 
 
 def test_plan_tensors_dtype_and_shape():
-    plan = RegroupPlan.build(*SMALL_LAYOUT)
+    plan = get_plan(*SMALL_LAYOUT)
     permutes, in_shapes, out_shapes = plan.tensors("cpu")
     assert permutes.dtype == in_shapes.dtype == out_shapes.dtype == torch.int32
     assert permutes.shape[1] == PERMUTE_COLUMNS
@@ -184,7 +143,7 @@ def test_plan_tensors_dtype_and_shape():
 
 
 def test_plan_with_no_rows():
-    plan = RegroupPlan.build([["a"]], [[3]], [[]])
+    plan = get_plan([["a"]], [[3]], [[]])
     permutes, _, out_shapes = plan.tensors()
     assert permutes.shape == (0, PERMUTE_COLUMNS)
     outs = permute_multi_embedding_reference([torch.ones(2, 3)], *plan.tensors(), plan.out_lengths)
@@ -193,7 +152,7 @@ def test_plan_with_no_rows():
 
 
 def test_view_specs_and_restricted_plan():
-    plan = RegroupPlan.build(
+    plan = get_plan(
         [["a", "b"], ["c", "d", "e"]],
         [[2, 3], [4, 1, 6]],
         [["a", "b"], ["d", "e"], ["e", "a"], [], ["c"]],
@@ -202,7 +161,7 @@ def test_view_specs_and_restricted_plan():
     sub = plan.restricted([2, 3])
     assert sub.out_lengths == (8, 0)
     assert [list(r) for r in sub.rows] == [[1, 0, 5, 0, 6, 0], [0, 0, 0, 6, 2, 0]]
-    assert sub == RegroupPlan.build(plan.keys, plan.lengths, [["e", "a"], []])
+    assert sub == get_plan(plan.keys, plan.lengths, [["e", "a"], []])
 
 
 # --- the plan cache ---------------------------------------------------------------------------
@@ -212,30 +171,30 @@ def _one_group_of(keys):
     return [list(keys)], [[1] * len(keys)]
 
 
-def test_plan_cache_never_returns_another_layouts_plan(monkeypatch):
-    # The id-reuse repro: 120 orderings of five width-1 keys, three rounds, through a
-    # cache far smaller than the number of layouts, so plans are evicted and freed all
-    # the time. A cache keyed by id() returned evicted plans' permutes for new layouts.
-    monkeypatch.setattr(plan_module, "MAX_PLANS", 8)
+def test_plan_cache_never_returns_another_layouts_plan():
+    # The id-reuse repro: 120 orderings of five width-1 keys, in three rounds with other
+    # groups, through a cache smaller than the number of layouts, so plans are evicted
+    # and freed all the time. A cache keyed by id() returned evicted plans' permutes.
     x = torch.arange(5.0).reshape(1, 5)
     keys = ["a", "b", "c", "d", "e"]
-    for _ in range(3):
+    for extra in ([], ["a"], ["b", "c"]):
         for order in itertools.permutations(keys):
+            order = [*order, *extra]
             expected = torch.tensor([[float(keys.index(k)) for k in order]])
             out = kt_regroup.regroup_keyed_tensor([x], [keys], [[1] * 5], [list(order)])
             assert torch.equal(out[0], expected), order
             plan = kt_regroup.get_plan([keys], [[1] * 5], [list(order)])
             out = torch.ops.kt_regroup.permute_multi_embedding(
-                [x], *plan.coalesced_tensors(), plan.out_lengths
+                [x], *plan.tensors(), plan.out_lengths
             )
             assert torch.equal(out[0], expected), order
-    assert len(plan_module._plans) <= 8
+    info = plan_module._cached.cache_info()
+    assert info.currsize <= info.maxsize == 128
 
 
-def test_200_distinct_layouts_every_surface(monkeypatch):
+def test_200_distinct_layouts_every_surface():
     from torchrec.sparse.jagged_tensor import KeyedTensor
 
-    monkeypatch.setattr(plan_module, "MAX_PLANS", 16)
     module = kt_regroup.KTRegroupAsDict([["k1", "k0"], ["k2"]], ["x", "y"])
     for i in range(200):
         widths = [1 + (i + j) % 5 for j in range(3)] + [1 + i % 7]
@@ -249,6 +208,6 @@ def test_200_distinct_layouts_every_surface(monkeypatch):
         assert_same_list(list(module([kt]).values()), expected)
         plan = kt_regroup.get_plan(*layout)
         assert_same_list(
-            torch.ops.kt_regroup.permute_multi_embedding([x], *plan.coalesced_tensors(), plan.out_lengths),
+            torch.ops.kt_regroup.permute_multi_embedding([x], *plan.tensors(), plan.out_lengths),
             expected,
         )

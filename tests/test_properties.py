@@ -3,7 +3,7 @@
 Layouts: 1-6 inputs, 1-300 keys (inputs may have none), widths 0-300, duplicated keys
 (inside and across groups), unused keys, reordered and in-order groups, empty groups;
 batch 0-257; every dtype; contiguous, transposed and column-sliced inputs. Every surface
-(the op with torchrec-format and with coalesced metadata, ``regroup``,
+(the op with torchrec-format metadata, ``regroup``,
 ``regroup_as_dict``, ``KTRegroupAsDict`` before and after a layout change) must equal
 slices + ``torch.cat`` bit for bit, forward and gradients. Gradients of duplicated keys
 in float16/bfloat16 equal the exact sum rounded once (output gradients are multiples of
@@ -11,26 +11,20 @@ in float16/bfloat16 equal the exact sum rounded once (output gradients are multi
 
 Profiles (tests/conftest.py): ``ci`` (default, fixed seed) and ``long`` (thousands of
 examples): ``KT_REGROUP_HYPOTHESIS_PROFILE=long`` or ``pytest --hypothesis-profile long``.
-The last test reruns this file with ``KT_REGROUP_BACKEND=reference``.
 """
 
 from __future__ import annotations
 
-import os
-import pathlib
 import random
-import subprocess
-import sys
 from typing import NamedTuple
 
-import pytest
 import torch
 from conftest import Layout, expected_grads, expected_regroup, keyed_tensors
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kt_regroup
-from kt_regroup import KTRegroupAsDict, RegroupPlan, regroup, regroup_as_dict
+from kt_regroup import KTRegroupAsDict, get_plan, regroup, regroup_as_dict
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
@@ -160,7 +154,7 @@ def check_surface(name, run, case: Case) -> None:
 @given(case=cases())
 def test_every_surface_equals_the_oracle(case):
     layout = case.layout
-    plan = RegroupPlan.build(*layout)
+    plan = get_plan(*layout)
     names = [f"g{j}" for j in range(len(layout.groups))]
     op = torch.ops.kt_regroup.permute_multi_embedding
     args = torch.ops.kt_regroup.kt_regroup_arguments(torch.empty(0), *layout)
@@ -169,7 +163,6 @@ def test_every_surface_equals_the_oracle(case):
     assert list(args[3]) == list(plan.out_lengths)
     surfaces = {
         "op, torchrec format": lambda v: op(v, *plan.tensors(), list(plan.out_lengths)),
-        "op, coalesced": lambda v: op(v, *plan.coalesced_tensors(), list(plan.out_lengths)),
         "regroup_keyed_tensor": lambda v: kt_regroup.regroup_keyed_tensor(v, *layout),
         "regroup": lambda v: regroup(keyed_tensors(layout, v), layout.groups),
         "regroup_as_dict": lambda v: list(
@@ -207,17 +200,3 @@ def test_module_after_a_layout_change_equals_the_oracle(case, swap_seed):
         )
 
 
-@pytest.mark.skipif(
-    kt_regroup.backend("cpu") == "reference", reason="this run already uses the reference backend"
-)
-def test_properties_hold_on_the_python_reference_backend(tmp_path):
-    tests = pathlib.Path(__file__).resolve().parent
-    env = dict(os.environ, KT_REGROUP_BACKEND="reference")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tests.parent), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         "--rootdir", str(tests.parent), str(pathlib.Path(__file__))],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "2 passed, 1 skipped" in proc.stdout, proc.stdout[-2000:]
