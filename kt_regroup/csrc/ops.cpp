@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -348,6 +350,9 @@ namespace {
 
 using Names = std::vector<std::vector<std::string>>;
 
+// Plans are int32 (torchrec's format): every width, offset, total and row index fits.
+constexpr int64_t kMaxPlanValue = std::numeric_limits<int32_t>::max();
+
 std::string preview(const std::vector<std::string>& keys, size_t limit = 8) {
   std::ostringstream s;
   s << "[";
@@ -389,16 +394,26 @@ Rows build_rows(
       const int64_t width = lengths[t][k];
       TORCH_CHECK_VALUE(
           width >= 0, "kt_regroup: key '", key, "' of input ", t, " has negative width ", width);
+      TORCH_CHECK_VALUE(
+          width <= kMaxPlanValue, "kt_regroup: key '", key, "' of input ", t, " has width ",
+          width, ", more than an int32 plan holds (", kMaxPlanValue, ")");
       const auto [it, inserted] = where.emplace(key, Where{int64_t(t), offset, width});
       TORCH_CHECK_VALUE(
           inserted, "kt_regroup: key '", key, "' appears in input ", it->second.tensor,
           " and input ", t, "; a key must name exactly one column block (ambiguous)");
-      offset += width;
+      offset += width;  // both <= 2^31 - 1: no int64 overflow
+      TORCH_CHECK_VALUE(
+          offset <= kMaxPlanValue, "kt_regroup: input ", t, " has ", offset,
+          " columns up to key '", key, "' (width ", width, "), more than an int32 plan holds (",
+          kMaxPlanValue, ")");
     }
     out.in_lengths.push_back(offset);
   }
   size_t total = 0;
   for (const auto& g : groups) total += g.size();
+  TORCH_CHECK_VALUE(
+      total <= static_cast<size_t>(kMaxPlanValue), "kt_regroup: the groups name ", total,
+      " keys, more than an int32 plan holds (", kMaxPlanValue, ")");
   out.rows.reserve(total);
   std::unordered_map<std::string_view, int64_t> last_seen;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -430,6 +445,10 @@ Rows build_rows(
       }
       out.rows.push_back({w.tensor, int64_t(g), w.offset, out_off, w.width, next});
       out_off += w.width;
+      TORCH_CHECK_VALUE(
+          out_off <= kMaxPlanValue, "kt_regroup: group ", g, " has ", out_off,
+          " columns up to key '", key, "' (width ", w.width,
+          "), more than an int32 plan holds (", kMaxPlanValue, ")");
     }
     out.out_lengths.push_back(out_off);
   }
@@ -441,7 +460,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> kt_regroup_
     const Names& keys,
     const std::vector<std::vector<int64_t>>& lengths,
     const Names& groups) {
-  const Rows plan = build_rows(keys, lengths, groups);
+  const Rows plan = build_rows(keys, lengths, groups);  // every value fits int32
   const auto i32 = at::TensorOptions().dtype(at::kInt);
   at::Tensor permutes = at::empty({int64_t(plan.rows.size()), kPermuteColumns}, i32);
   int32_t* p = permutes.mutable_data_ptr<int32_t>();
@@ -449,7 +468,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> kt_regroup_
     for (int64_t v : row) *p++ = static_cast<int32_t>(v);
   }
   auto int_tensor = [&](const std::vector<int64_t>& v) {
-    return at::tensor(v, at::TensorOptions().dtype(at::kLong)).to(at::kInt);
+    at::Tensor t = at::empty({int64_t(v.size())}, i32);
+    std::copy(v.begin(), v.end(), t.mutable_data_ptr<int32_t>());
+    return t;
   };
   at::Tensor in_shapes = int_tensor(plan.in_lengths);
   at::Tensor out_shapes = int_tensor(plan.out_lengths);
