@@ -8,6 +8,8 @@
 // tensors with a symbolic batch. The metadata tensors are index tensors that nothing
 // modifies in place: they are kept in saved_data rather than save_for_backward, so plans
 // made under torch.inference_mode() work with autograd too.
+//
+// Forward-mode AD is the same linearity: each op applied to the tangents.
 
 #include "kt_regroup.h"
 
@@ -72,6 +74,19 @@ std::vector<at::Tensor> call_backward(
       grad_outputs, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
 }
 
+// permute_multi_embedding, or permute_multi_embedding_to (`cast`).
+std::vector<at::Tensor> call_permute(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef out_lengths,
+    std::optional<c10::ScalarType> dtype,
+    bool cast) {
+  return cast ? call_forward_to(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype)
+              : call_forward(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+}
+
 // Autograd's undefined gradients are the op's None.
 OptionalTensors optionals(at::TensorList tensors) {
   OptionalTensors out;
@@ -126,8 +141,7 @@ class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
       save_metadata(ctx, permutes, in_shapes, out_shapes);
     }
     at::AutoDispatchBelowADInplaceOrView guard;
-    return cast ? call_forward_to(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype)
-                : call_forward(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+    return call_permute(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, cast);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -213,15 +227,69 @@ class PermuteBackwardFunction : public torch::autograd::Function<PermuteBackward
   }
 };
 
+// ---- forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) --------------------------
+// The regroup is linear: the outputs' tangents are the same op applied to the inputs'
+// tangents (zeros for an input without one). The primals and the tangents each go
+// through the dispatcher, autograd included, so both can be differentiated further.
+
+bool has_tangent(const at::Tensor& t) {
+  return t.defined() && t._fw_grad(/*level=*/0).defined();
+}
+
+// The inputs without their tangents (a view that keeps their autograd history), and the
+// tangents, zeros where an input has none.
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> split_duals(at::TensorList duals) {
+  std::vector<at::Tensor> primals, tangents;
+  for (const at::Tensor& t : duals) {
+    at::Tensor tangent = t._fw_grad(/*level=*/0);
+    primals.push_back(tangent.defined() ? t._fw_primal(/*level=*/0) : t);
+    tangents.push_back(tangent.defined() ? std::move(tangent) : at::zeros_like(t));
+  }
+  return {std::move(primals), std::move(tangents)};
+}
+
+std::vector<at::Tensor> with_tangents(
+    std::vector<at::Tensor> outs,
+    const std::vector<at::Tensor>& tangents) {
+  for (size_t j = 0; j < outs.size(); ++j) {
+    outs[j]._set_fw_grad(tangents[j], /*level=*/0, /*is_inplace_op=*/false);
+  }
+  return outs;
+}
+
 // Whether a call must be recorded for autograd. When not (torch.no_grad(), a backward
 // pass without create_graph, inputs that need no gradient) the kernels below autograd
 // run directly: building and dropping a graph node costs more than the copy of a
-// small serving batch.
+// small serving batch. Tangents are looked for first: that path never drops one.
 bool records_grad(at::TensorList tensors) {
   return at::GradMode::is_enabled() &&
       std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
         return t.defined() && t.requires_grad();
       });
+}
+
+std::vector<at::Tensor> permute_autograd(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef out_lengths,
+    std::optional<c10::ScalarType> dtype,
+    bool cast) {
+  if (std::any_of(pooled_embs.begin(), pooled_embs.end(), has_tangent)) {
+    const auto [primals, tangents] = split_duals(pooled_embs);
+    std::vector<at::Tensor> outs =
+        call_permute(primals, permutes, in_shapes, out_shapes, out_lengths, dtype, cast);
+    return with_tangents(
+        std::move(outs),
+        call_permute(tangents, permutes, in_shapes, out_shapes, out_lengths, dtype, cast));
+  }
+  if (!records_grad(pooled_embs)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_permute(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, cast);
+  }
+  return PermuteFunction::apply(
+      pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, cast);
 }
 
 std::vector<at::Tensor> permute_multi_embedding_autograd(
@@ -230,11 +298,7 @@ std::vector<at::Tensor> permute_multi_embedding_autograd(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::SymIntArrayRef out_lengths) {
-  if (!records_grad(pooled_embs)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return call_forward(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
-  }
-  return PermuteFunction::apply(
+  return permute_autograd(
       pooled_embs, permutes, in_shapes, out_shapes, out_lengths, std::nullopt, false);
 }
 
@@ -245,12 +309,7 @@ std::vector<at::Tensor> permute_multi_embedding_to_autograd(
     const at::Tensor& out_shapes,
     c10::SymIntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype) {
-  if (!records_grad(pooled_embs)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return call_forward_to(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype);
-  }
-  return PermuteFunction::apply(
-      pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, true);
+  return permute_autograd(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, true);
 }
 
 std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
@@ -261,6 +320,28 @@ std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
     c10::SymIntArrayRef in_lengths,
     c10::SymInt batch_size,
     c10::ScalarType dtype) {
+  if (std::any_of(grad_outputs.begin(), grad_outputs.end(), [](const std::optional<at::Tensor>& g) {
+        return g.has_value() && has_tangent(*g);
+      })) {
+    // A gradient without a tangent has a zero one: None.
+    OptionalTensors primals, tangents;
+    for (size_t j = 0; j < grad_outputs.size(); ++j) {
+      const std::optional<at::Tensor> g = grad_outputs[j];
+      if (g.has_value() && has_tangent(*g)) {
+        primals.push_back(g->_fw_primal(/*level=*/0));
+        tangents.push_back(g->_fw_grad(/*level=*/0));
+      } else {
+        primals.push_back(g);
+        tangents.push_back(std::nullopt);
+      }
+    }
+    std::vector<at::Tensor> outs = call_backward(
+        primals, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype);
+    return with_tangents(
+        std::move(outs),
+        call_backward(
+            tangents, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype));
+  }
   std::vector<at::Tensor> defined;
   std::vector<int64_t> positions;
   for (size_t j = 0; j < grad_outputs.size(); ++j) {
