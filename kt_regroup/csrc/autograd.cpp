@@ -9,12 +9,14 @@
 // modifies in place: they are kept in saved_data rather than save_for_backward, so plans
 // made under torch.inference_mode() work with autograd too.
 //
-// Forward-mode AD is the same linearity: each op applied to the tangents.
+// Forward-mode AD is the same linearity: each op applied to the tangents. The _into op
+// records nothing: it refuses what it cannot differentiate and bumps version counters.
 
 #include "kt_regroup.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -72,6 +74,20 @@ std::vector<at::Tensor> call_backward(
                            c10::ScalarType)>();
   return op.call(
       grad_outputs, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
+}
+
+void call_into(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_into", "")
+                       .typed<void(
+                           at::TensorList, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, at::TensorList)>();
+  op.call(pooled_embs, permutes, in_shapes, out_shapes, outs);
 }
 
 // permute_multi_embedding, or permute_multi_embedding_to (`cast`).
@@ -361,10 +377,90 @@ std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
       in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
 }
 
+// permute_multi_embedding_into records no gradients and propagates no tangents: under
+// grad mode it refuses tensors that require grad (a leaf as torch refuses it; otherwise
+// the outs would keep a history that no longer computes them), and it refuses tangents.
+void permute_multi_embedding_into_autograd(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs) {
+  constexpr const char* op = "kt_regroup.permute_multi_embedding_into";
+  constexpr const char* use = "call it under torch.no_grad() or torch.inference_mode(), or use "
+                              "permute_multi_embedding";
+  const std::pair<const char*, at::TensorList> lists[] = {{"outs", outs}, {"pooled_embs", pooled_embs}};
+  for (const auto& [name, tensors] : lists) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      TORCH_CHECK(
+          !has_tangent(tensors[i]), op, ": ", name, "[", i,
+          "] has a forward-mode AD tangent, which this op does not propagate; use "
+          "permute_multi_embedding");
+    }
+  }
+  if (at::GradMode::is_enabled()) {
+    const auto requires_grad = [](const at::Tensor& t) { return t.requires_grad(); };
+    const bool any_requires_grad =
+        std::any_of(outs.begin(), outs.end(), requires_grad) ||
+        std::any_of(pooled_embs.begin(), pooled_embs.end(), requires_grad);
+    using torch::autograd::can_mutate_inplace_result;
+    for (size_t j = 0; j < outs.size(); ++j) {
+      switch (torch::autograd::can_mutate_inplace(outs[j], any_requires_grad)) {
+        case can_mutate_inplace_result::success:
+          break;
+        case can_mutate_inplace_result::non_default_backward_view:  // torch's own error
+          torch::autograd::handle_view_on_rebase(
+              torch::autograd::impl::get_view_autograd_meta(outs[j]));
+          break;
+        case can_mutate_inplace_result::view_of_leaf:
+          TORCH_CHECK(
+              false, op, ": outs[", j, "]: a view of a leaf Variable that requires grad is "
+              "being used in an in-place operation.");
+        case can_mutate_inplace_result::is_leaf:
+          TORCH_CHECK(
+              false, op, ": outs[", j, "]: a leaf Variable that requires grad is being used "
+              "in an in-place operation.");
+      }
+    }
+    for (const auto& [name, tensors] : lists) {
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        TORCH_CHECK(
+            !tensors[i].requires_grad(), op, ": ", name, "[", i,
+            "] requires grad, but this op records no gradients; ", use);
+      }
+    }
+  }
+  at::AutoDispatchBelowAutograd guard;
+  call_into(pooled_embs, permutes, in_shapes, out_shapes, outs);
+}
+
+// The writes bump each output's version counter, as every in-place op does: a tensor
+// that autograd saved and that is then overwritten makes its backward raise.
+void permute_multi_embedding_into_ad_inplace_or_view(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs) {
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    call_into(pooled_embs, permutes, in_shapes, out_shapes, outs);
+  }
+  for (const at::Tensor& t : outs) torch::autograd::increment_version(t);
+}
+
 }  // namespace
 }  // namespace kt_regroup
 
+TORCH_LIBRARY_IMPL(kt_regroup, ADInplaceOrView, m) {
+  m.impl(
+      "permute_multi_embedding_into",
+      TORCH_FN(kt_regroup::permute_multi_embedding_into_ad_inplace_or_view));
+}
+
 TORCH_LIBRARY_IMPL(kt_regroup, Autograd, m) {
+  m.impl(
+      "permute_multi_embedding_into", TORCH_FN(kt_regroup::permute_multi_embedding_into_autograd));
   m.impl("permute_multi_embedding", TORCH_FN(kt_regroup::permute_multi_embedding_autograd));
   m.impl("permute_multi_embedding_to", TORCH_FN(kt_regroup::permute_multi_embedding_to_autograd));
   m.impl(

@@ -282,20 +282,35 @@ std::vector<Segment> prepare_into(
     TORCH_CHECK_VALUE(
         t.size(1) <= 1 || t.stride(1) == 1, "kt_regroup.", op, ": outs[", j,
         "] must have unit column stride, got strides (", t.stride(0), ", ", t.stride(1), ")");
+    TORCH_CHECK(
+        !t.is_inference() || c10::InferenceMode::is_enabled(), "kt_regroup.", op, ": outs[", j,
+        "] is an inference tensor: Inplace update to inference tensor outside InferenceMode "
+        "is not allowed (clone() it to get a normal tensor)");
     widths.push_back(t.size(1));
   }
-  // Byte ranges within one storage; conservative (a strided view counts as its whole span).
+  // Every element of an output is written once: rows that share memory (a stride-0
+  // expand, or a row stride below the width) would make the result depend on the order
+  // of the writes. `copy_` refuses the first kind too.
+  for (size_t j = 0; j < outs.size(); ++j) {
+    const at::Tensor& t = outs[j];
+    TORCH_CHECK_VALUE(
+        t.size(0) <= 1 || t.size(1) == 0 || t.stride(0) >= t.size(1), "kt_regroup.", op,
+        ": outs[", j, "] has strides (", t.stride(0), ", ", t.stride(1), ") for shape ",
+        shape_str(t.sizes()), ", so more than one element of the written-to tensor refers to a "
+        "single memory location; pass a tensor whose elements have their own memory (e.g. clone() it)");
+  }
+  // Address ranges, whatever the Storage: two tensors of different Storage objects share
+  // memory through torch.from_numpy of one array, dlpack or torch.frombuffer.
+  // Conservative: a strided view counts as its whole span.
   auto span = [](const at::Tensor& t) {
-    const int64_t es = t.element_size();
-    int64_t lo = t.storage_offset() * es, hi = lo;
-    if (t.numel() > 0) {
-      hi = lo + es;
-      for (int64_t d = 0; d < t.dim(); ++d) hi += (t.size(d) - 1) * t.stride(d) * es;
-    }
+    const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    uintptr_t hi = lo + t.element_size();
+    for (int64_t d = 0; d < t.dim(); ++d) hi += (t.size(d) - 1) * t.stride(d) * t.element_size();
     return std::make_pair(lo, hi);
   };
   auto overlaps = [&](const at::Tensor& a, const at::Tensor& b) {
-    if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
+    // Meta tensors (no data) never overlap anything.
+    if (a.numel() == 0 || b.numel() == 0 || !a.const_data_ptr() || !b.const_data_ptr()) return false;
     const auto [alo, ahi] = span(a);
     const auto [blo, bhi] = span(b);
     return alo < bhi && blo < ahi;
