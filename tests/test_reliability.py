@@ -359,3 +359,33 @@ def test_forward_over_reverse_and_reverse_over_forward():
             torch.testing.assert_close(g, e)
 
 
+# ---- complex gradients -----------------------------------------------------------------------
+
+
+def test_complex_and_real_inputs_get_gradients_as_cat_gives_them():
+    layout = LAYOUT
+    gen = torch.Generator().manual_seed(5)
+    complex_in = torch.randn(4, sum(layout.lengths[0]), generator=gen,
+                             dtype=torch.complex64).requires_grad_()
+    real_in = torch.randn(4, sum(layout.lengths[1]), generator=gen).requires_grad_()
+    values = [complex_in, real_in]
+    permutes, in_shapes, out_shapes, out_lengths = _plan(layout, complex_in)
+    grads = [torch.randn(4, n, generator=gen, dtype=torch.complex64) for n in out_lengths]
+    for dtype in (torch.complex64, torch.complex128):
+        outs = OPS.permute_multi_embedding_to(values, permutes, in_shapes, out_shapes, out_lengths, dtype)
+        ours = torch.autograd.grad(outs, values, [g.to(dtype) for g in grads])
+        want_outs = [o.to(dtype) for o in _cat_oracle([v.to(dtype) for v in values], layout)]
+        want = torch.autograd.grad(want_outs, values, [g.to(dtype) for g in grads])
+        for o, w in zip(outs, want_outs):
+            torch.testing.assert_close(o, w, rtol=0, atol=0)
+        for g, w, v in zip(ours, want, values):
+            assert g.dtype == v.dtype
+            torch.testing.assert_close(g, w)
+    # A real input cast to complex: the real part, as x.to(torch.complex64) gives it.
+    real_only = [real_in]
+    p, i, o, n = OPS.kt_regroup_arguments(real_in, [["x"]], [[real_in.size(1)]], [["x"]])
+    out = OPS.permute_multi_embedding_to(real_only, p, i, o, n, torch.complex64)
+    (got,) = torch.autograd.grad(out, real_only, [grads[0][:, :1].expand(4, n[0]).contiguous()])
+    (want,) = torch.autograd.grad([real_in.to(torch.complex64)], real_only,
+                                  [grads[0][:, :1].expand(4, n[0]).contiguous()])
+    torch.testing.assert_close(got, want)

@@ -153,7 +153,19 @@ class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
       // (inputs differ in dtype only for the fused cast).
       c10::ScalarType grad_dtype = first.scalar_type();
       for (const at::Tensor& t : pooled_embs) grad_dtype = c10::promoteTypes(grad_dtype, t.scalar_type());
+      // A complex output has complex gradients: they are accumulated as such, and a real
+      // input gets their real part, as torch's cast (.to) and torch.cat backward give it.
+      if (cast && dtype.has_value() && c10::isComplexType(*dtype)) {
+        grad_dtype = c10::promoteTypes(grad_dtype, *dtype);
+      }
       ctx->saved_data["dtype"] = grad_dtype;
+      if (c10::isComplexType(grad_dtype)) {
+        std::vector<int64_t> real_inputs;
+        for (size_t i = 0; i < pooled_embs.size(); ++i) {
+          if (!pooled_embs[i].is_complex()) real_inputs.push_back(static_cast<int64_t>(i));
+        }
+        ctx->saved_data["real_inputs"] = real_inputs;
+      }
       save_metadata(ctx, permutes, in_shapes, out_shapes);
     }
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -167,6 +179,12 @@ class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
         saved.at("in_shapes").toTensor(), saved.at("out_shapes").toTensor(),
         saved.at("in_lengths").toSymIntVector(), saved.at("batch_size").toSymInt(),
         saved.at("dtype").toScalarType());
+    if (const auto it = saved.find("real_inputs"); it != saved.end()) {
+      for (const c10::IValue& i : it->second.toListRef()) {
+        at::Tensor& g = grads[i.toInt()];
+        if (g.defined()) g = at::real(g);
+      }
+    }
     // permutes, in_shapes, out_shapes, out_lengths, dtype, cast
     return with_no_grads_for_rest(std::move(grads), 6);
   }
