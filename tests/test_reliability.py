@@ -389,3 +389,24 @@ def test_complex_and_real_inputs_get_gradients_as_cat_gives_them():
     (want,) = torch.autograd.grad([real_in.to(torch.complex64)], real_only,
                                   [grads[0][:, :1].expand(4, n[0]).contiguous()])
     torch.testing.assert_close(got, want)
+
+
+# ---- gradcheck: reverse, forward and second order, real and complex --------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_gradcheck_forward_and_reverse(dtype):
+    layout = LAYOUT
+    gen = torch.Generator().manual_seed(11)
+    first = torch.randn(3, sum(layout.lengths[0]), generator=gen, dtype=dtype).requires_grad_()
+    second = torch.randn(3, sum(layout.lengths[1]), generator=gen, dtype=torch.float64).requires_grad_()
+    permutes, in_shapes, out_shapes, out_lengths = _plan(layout, first)
+
+    def fn(a, b):
+        return tuple(OPS.permute_multi_embedding_to([a, b], permutes, in_shapes, out_shapes,
+                                                    out_lengths, dtype))
+
+    assert torch.autograd.gradcheck(fn, (first, second), check_forward_ad=True,
+                                    check_batched_grad=False)
+    assert torch.autograd.gradgradcheck(fn, (first, second), check_fwd_over_rev=True,
+                                        check_batched_grad=False)
