@@ -8,11 +8,15 @@
 // tensors with a symbolic batch. The metadata tensors are index tensors that nothing
 // modifies in place: they are kept in saved_data rather than save_for_backward, so plans
 // made under torch.inference_mode() work with autograd too.
+//
+// Forward-mode AD is the same linearity: each op applied to the tangents. The _into op
+// records nothing: it refuses what it cannot differentiate and bumps version counters.
 
 #include "kt_regroup.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -72,6 +76,33 @@ std::vector<at::Tensor> call_backward(
       grad_outputs, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
 }
 
+void call_into(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_into", "")
+                       .typed<void(
+                           at::TensorList, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, at::TensorList)>();
+  op.call(pooled_embs, permutes, in_shapes, out_shapes, outs);
+}
+
+// permute_multi_embedding, or permute_multi_embedding_to (`cast`).
+std::vector<at::Tensor> call_permute(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef out_lengths,
+    std::optional<c10::ScalarType> dtype,
+    bool cast) {
+  return cast ? call_forward_to(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype)
+              : call_forward(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+}
+
 // Autograd's undefined gradients are the op's None.
 OptionalTensors optionals(at::TensorList tensors) {
   OptionalTensors out;
@@ -122,12 +153,23 @@ class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
       // (inputs differ in dtype only for the fused cast).
       c10::ScalarType grad_dtype = first.scalar_type();
       for (const at::Tensor& t : pooled_embs) grad_dtype = c10::promoteTypes(grad_dtype, t.scalar_type());
+      // A complex output has complex gradients: they are accumulated as such, and a real
+      // input gets their real part, as torch's cast (.to) and torch.cat backward give it.
+      if (cast && dtype.has_value() && c10::isComplexType(*dtype)) {
+        grad_dtype = c10::promoteTypes(grad_dtype, *dtype);
+      }
       ctx->saved_data["dtype"] = grad_dtype;
+      if (c10::isComplexType(grad_dtype)) {
+        std::vector<int64_t> real_inputs;
+        for (size_t i = 0; i < pooled_embs.size(); ++i) {
+          if (!pooled_embs[i].is_complex()) real_inputs.push_back(static_cast<int64_t>(i));
+        }
+        ctx->saved_data["real_inputs"] = real_inputs;
+      }
       save_metadata(ctx, permutes, in_shapes, out_shapes);
     }
     at::AutoDispatchBelowADInplaceOrView guard;
-    return cast ? call_forward_to(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype)
-                : call_forward(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+    return call_permute(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, cast);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -137,6 +179,12 @@ class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
         saved.at("in_shapes").toTensor(), saved.at("out_shapes").toTensor(),
         saved.at("in_lengths").toSymIntVector(), saved.at("batch_size").toSymInt(),
         saved.at("dtype").toScalarType());
+    if (const auto it = saved.find("real_inputs"); it != saved.end()) {
+      for (const c10::IValue& i : it->second.toListRef()) {
+        at::Tensor& g = grads[i.toInt()];
+        if (g.defined()) g = at::real(g);
+      }
+    }
     // permutes, in_shapes, out_shapes, out_lengths, dtype, cast
     return with_no_grads_for_rest(std::move(grads), 6);
   }
@@ -213,15 +261,69 @@ class PermuteBackwardFunction : public torch::autograd::Function<PermuteBackward
   }
 };
 
+// ---- forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) --------------------------
+// The regroup is linear: the outputs' tangents are the same op applied to the inputs'
+// tangents (zeros for an input without one). The primals and the tangents each go
+// through the dispatcher, autograd included, so both can be differentiated further.
+
+bool has_tangent(const at::Tensor& t) {
+  return t.defined() && t._fw_grad(/*level=*/0).defined();
+}
+
+// The inputs without their tangents (a view that keeps their autograd history), and the
+// tangents, zeros where an input has none.
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> split_duals(at::TensorList duals) {
+  std::vector<at::Tensor> primals, tangents;
+  for (const at::Tensor& t : duals) {
+    at::Tensor tangent = t._fw_grad(/*level=*/0);
+    primals.push_back(tangent.defined() ? t._fw_primal(/*level=*/0) : t);
+    tangents.push_back(tangent.defined() ? std::move(tangent) : at::zeros_like(t));
+  }
+  return {std::move(primals), std::move(tangents)};
+}
+
+std::vector<at::Tensor> with_tangents(
+    std::vector<at::Tensor> outs,
+    const std::vector<at::Tensor>& tangents) {
+  for (size_t j = 0; j < outs.size(); ++j) {
+    outs[j]._set_fw_grad(tangents[j], /*level=*/0, /*is_inplace_op=*/false);
+  }
+  return outs;
+}
+
 // Whether a call must be recorded for autograd. When not (torch.no_grad(), a backward
 // pass without create_graph, inputs that need no gradient) the kernels below autograd
 // run directly: building and dropping a graph node costs more than the copy of a
-// small serving batch.
+// small serving batch. Tangents are looked for first: that path never drops one.
 bool records_grad(at::TensorList tensors) {
   return at::GradMode::is_enabled() &&
       std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
         return t.defined() && t.requires_grad();
       });
+}
+
+std::vector<at::Tensor> permute_autograd(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef out_lengths,
+    std::optional<c10::ScalarType> dtype,
+    bool cast) {
+  if (std::any_of(pooled_embs.begin(), pooled_embs.end(), has_tangent)) {
+    const auto [primals, tangents] = split_duals(pooled_embs);
+    std::vector<at::Tensor> outs =
+        call_permute(primals, permutes, in_shapes, out_shapes, out_lengths, dtype, cast);
+    return with_tangents(
+        std::move(outs),
+        call_permute(tangents, permutes, in_shapes, out_shapes, out_lengths, dtype, cast));
+  }
+  if (!records_grad(pooled_embs)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_permute(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, cast);
+  }
+  return PermuteFunction::apply(
+      pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, cast);
 }
 
 std::vector<at::Tensor> permute_multi_embedding_autograd(
@@ -230,11 +332,7 @@ std::vector<at::Tensor> permute_multi_embedding_autograd(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::SymIntArrayRef out_lengths) {
-  if (!records_grad(pooled_embs)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return call_forward(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
-  }
-  return PermuteFunction::apply(
+  return permute_autograd(
       pooled_embs, permutes, in_shapes, out_shapes, out_lengths, std::nullopt, false);
 }
 
@@ -245,12 +343,7 @@ std::vector<at::Tensor> permute_multi_embedding_to_autograd(
     const at::Tensor& out_shapes,
     c10::SymIntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype) {
-  if (!records_grad(pooled_embs)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return call_forward_to(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype);
-  }
-  return PermuteFunction::apply(
-      pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, true);
+  return permute_autograd(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype, true);
 }
 
 std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
@@ -261,6 +354,28 @@ std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
     c10::SymIntArrayRef in_lengths,
     c10::SymInt batch_size,
     c10::ScalarType dtype) {
+  if (std::any_of(grad_outputs.begin(), grad_outputs.end(), [](const std::optional<at::Tensor>& g) {
+        return g.has_value() && has_tangent(*g);
+      })) {
+    // A gradient without a tangent has a zero one: None.
+    OptionalTensors primals, tangents;
+    for (size_t j = 0; j < grad_outputs.size(); ++j) {
+      const std::optional<at::Tensor> g = grad_outputs[j];
+      if (g.has_value() && has_tangent(*g)) {
+        primals.push_back(g->_fw_primal(/*level=*/0));
+        tangents.push_back(g->_fw_grad(/*level=*/0));
+      } else {
+        primals.push_back(g);
+        tangents.push_back(std::nullopt);
+      }
+    }
+    std::vector<at::Tensor> outs = call_backward(
+        primals, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype);
+    return with_tangents(
+        std::move(outs),
+        call_backward(
+            tangents, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype));
+  }
   std::vector<at::Tensor> defined;
   std::vector<int64_t> positions;
   for (size_t j = 0; j < grad_outputs.size(); ++j) {
@@ -280,10 +395,90 @@ std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
       in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
 }
 
+// permute_multi_embedding_into records no gradients and propagates no tangents: under
+// grad mode it refuses tensors that require grad (a leaf as torch refuses it; otherwise
+// the outs would keep a history that no longer computes them), and it refuses tangents.
+void permute_multi_embedding_into_autograd(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs) {
+  constexpr const char* op = "kt_regroup.permute_multi_embedding_into";
+  constexpr const char* use = "call it under torch.no_grad() or torch.inference_mode(), or use "
+                              "permute_multi_embedding";
+  const std::pair<const char*, at::TensorList> lists[] = {{"outs", outs}, {"pooled_embs", pooled_embs}};
+  for (const auto& [name, tensors] : lists) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      TORCH_CHECK(
+          !has_tangent(tensors[i]), op, ": ", name, "[", i,
+          "] has a forward-mode AD tangent, which this op does not propagate; use "
+          "permute_multi_embedding");
+    }
+  }
+  if (at::GradMode::is_enabled()) {
+    const auto requires_grad = [](const at::Tensor& t) { return t.requires_grad(); };
+    const bool any_requires_grad =
+        std::any_of(outs.begin(), outs.end(), requires_grad) ||
+        std::any_of(pooled_embs.begin(), pooled_embs.end(), requires_grad);
+    using torch::autograd::can_mutate_inplace_result;
+    for (size_t j = 0; j < outs.size(); ++j) {
+      switch (torch::autograd::can_mutate_inplace(outs[j], any_requires_grad)) {
+        case can_mutate_inplace_result::success:
+          break;
+        case can_mutate_inplace_result::non_default_backward_view:  // torch's own error
+          torch::autograd::handle_view_on_rebase(
+              torch::autograd::impl::get_view_autograd_meta(outs[j]));
+          break;
+        case can_mutate_inplace_result::view_of_leaf:
+          TORCH_CHECK(
+              false, op, ": outs[", j, "]: a view of a leaf Variable that requires grad is "
+              "being used in an in-place operation.");
+        case can_mutate_inplace_result::is_leaf:
+          TORCH_CHECK(
+              false, op, ": outs[", j, "]: a leaf Variable that requires grad is being used "
+              "in an in-place operation.");
+      }
+    }
+    for (const auto& [name, tensors] : lists) {
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        TORCH_CHECK(
+            !tensors[i].requires_grad(), op, ": ", name, "[", i,
+            "] requires grad, but this op records no gradients; ", use);
+      }
+    }
+  }
+  at::AutoDispatchBelowAutograd guard;
+  call_into(pooled_embs, permutes, in_shapes, out_shapes, outs);
+}
+
+// The writes bump each output's version counter, as every in-place op does: a tensor
+// that autograd saved and that is then overwritten makes its backward raise.
+void permute_multi_embedding_into_ad_inplace_or_view(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs) {
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    call_into(pooled_embs, permutes, in_shapes, out_shapes, outs);
+  }
+  for (const at::Tensor& t : outs) torch::autograd::increment_version(t);
+}
+
 }  // namespace
 }  // namespace kt_regroup
 
+TORCH_LIBRARY_IMPL(kt_regroup, ADInplaceOrView, m) {
+  m.impl(
+      "permute_multi_embedding_into",
+      TORCH_FN(kt_regroup::permute_multi_embedding_into_ad_inplace_or_view));
+}
+
 TORCH_LIBRARY_IMPL(kt_regroup, Autograd, m) {
+  m.impl(
+      "permute_multi_embedding_into", TORCH_FN(kt_regroup::permute_multi_embedding_into_autograd));
   m.impl("permute_multi_embedding", TORCH_FN(kt_regroup::permute_multi_embedding_autograd));
   m.impl("permute_multi_embedding_to", TORCH_FN(kt_regroup::permute_multi_embedding_to_autograd));
   m.impl(

@@ -55,8 +55,9 @@ std::vector<Segment> check_backward(
     int64_t batch_size);
 
 // A permute_multi_embedding_into call: the caller-owned outputs (2-D, batch, dtype,
-// device, unit column stride, no overlap with the inputs or each other) and everything
-// check_forward checks. Zeroes the outputs unless the segments write every column; the
+// device, unit column stride, rows that share no memory, no overlap by address with the
+// inputs or each other whatever their Storage, no inference tensor outside inference
+// mode) and everything check_forward checks. Zeroes the outputs unless the segments write every column; the
 // kernel then copies the returned segments.
 std::vector<Segment> prepare_into(
     at::TensorList pooled_embs,

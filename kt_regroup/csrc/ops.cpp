@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -280,20 +282,35 @@ std::vector<Segment> prepare_into(
     TORCH_CHECK_VALUE(
         t.size(1) <= 1 || t.stride(1) == 1, "kt_regroup.", op, ": outs[", j,
         "] must have unit column stride, got strides (", t.stride(0), ", ", t.stride(1), ")");
+    TORCH_CHECK(
+        !t.is_inference() || c10::InferenceMode::is_enabled(), "kt_regroup.", op, ": outs[", j,
+        "] is an inference tensor: Inplace update to inference tensor outside InferenceMode "
+        "is not allowed (clone() it to get a normal tensor)");
     widths.push_back(t.size(1));
   }
-  // Byte ranges within one storage; conservative (a strided view counts as its whole span).
+  // Every element of an output is written once: rows that share memory (a stride-0
+  // expand, or a row stride below the width) would make the result depend on the order
+  // of the writes. `copy_` refuses the first kind too.
+  for (size_t j = 0; j < outs.size(); ++j) {
+    const at::Tensor& t = outs[j];
+    TORCH_CHECK_VALUE(
+        t.size(0) <= 1 || t.size(1) == 0 || t.stride(0) >= t.size(1), "kt_regroup.", op,
+        ": outs[", j, "] has strides (", t.stride(0), ", ", t.stride(1), ") for shape ",
+        shape_str(t.sizes()), ", so more than one element of the written-to tensor refers to a "
+        "single memory location; pass a tensor whose elements have their own memory (e.g. clone() it)");
+  }
+  // Address ranges, whatever the Storage: two tensors of different Storage objects share
+  // memory through torch.from_numpy of one array, dlpack or torch.frombuffer.
+  // Conservative: a strided view counts as its whole span.
   auto span = [](const at::Tensor& t) {
-    const int64_t es = t.element_size();
-    int64_t lo = t.storage_offset() * es, hi = lo;
-    if (t.numel() > 0) {
-      hi = lo + es;
-      for (int64_t d = 0; d < t.dim(); ++d) hi += (t.size(d) - 1) * t.stride(d) * es;
-    }
+    const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    uintptr_t hi = lo + t.element_size();
+    for (int64_t d = 0; d < t.dim(); ++d) hi += (t.size(d) - 1) * t.stride(d) * t.element_size();
     return std::make_pair(lo, hi);
   };
   auto overlaps = [&](const at::Tensor& a, const at::Tensor& b) {
-    if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
+    // Meta tensors (no data) never overlap anything.
+    if (a.numel() == 0 || b.numel() == 0 || !a.const_data_ptr() || !b.const_data_ptr()) return false;
     const auto [alo, ahi] = span(a);
     const auto [blo, bhi] = span(b);
     return alo < bhi && blo < ahi;
@@ -348,6 +365,9 @@ namespace {
 
 using Names = std::vector<std::vector<std::string>>;
 
+// Plans are int32 (torchrec's format): every width, offset, total and row index fits.
+constexpr int64_t kMaxPlanValue = std::numeric_limits<int32_t>::max();
+
 std::string preview(const std::vector<std::string>& keys, size_t limit = 8) {
   std::ostringstream s;
   s << "[";
@@ -389,16 +409,26 @@ Rows build_rows(
       const int64_t width = lengths[t][k];
       TORCH_CHECK_VALUE(
           width >= 0, "kt_regroup: key '", key, "' of input ", t, " has negative width ", width);
+      TORCH_CHECK_VALUE(
+          width <= kMaxPlanValue, "kt_regroup: key '", key, "' of input ", t, " has width ",
+          width, ", more than an int32 plan holds (", kMaxPlanValue, ")");
       const auto [it, inserted] = where.emplace(key, Where{int64_t(t), offset, width});
       TORCH_CHECK_VALUE(
           inserted, "kt_regroup: key '", key, "' appears in input ", it->second.tensor,
           " and input ", t, "; a key must name exactly one column block (ambiguous)");
-      offset += width;
+      offset += width;  // both <= 2^31 - 1: no int64 overflow
+      TORCH_CHECK_VALUE(
+          offset <= kMaxPlanValue, "kt_regroup: input ", t, " has ", offset,
+          " columns up to key '", key, "' (width ", width, "), more than an int32 plan holds (",
+          kMaxPlanValue, ")");
     }
     out.in_lengths.push_back(offset);
   }
   size_t total = 0;
   for (const auto& g : groups) total += g.size();
+  TORCH_CHECK_VALUE(
+      total <= static_cast<size_t>(kMaxPlanValue), "kt_regroup: the groups name ", total,
+      " keys, more than an int32 plan holds (", kMaxPlanValue, ")");
   out.rows.reserve(total);
   std::unordered_map<std::string_view, int64_t> last_seen;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -430,6 +460,10 @@ Rows build_rows(
       }
       out.rows.push_back({w.tensor, int64_t(g), w.offset, out_off, w.width, next});
       out_off += w.width;
+      TORCH_CHECK_VALUE(
+          out_off <= kMaxPlanValue, "kt_regroup: group ", g, " has ", out_off,
+          " columns up to key '", key, "' (width ", w.width,
+          "), more than an int32 plan holds (", kMaxPlanValue, ")");
     }
     out.out_lengths.push_back(out_off);
   }
@@ -441,7 +475,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> kt_regroup_
     const Names& keys,
     const std::vector<std::vector<int64_t>>& lengths,
     const Names& groups) {
-  const Rows plan = build_rows(keys, lengths, groups);
+  const Rows plan = build_rows(keys, lengths, groups);  // every value fits int32
   const auto i32 = at::TensorOptions().dtype(at::kInt);
   at::Tensor permutes = at::empty({int64_t(plan.rows.size()), kPermuteColumns}, i32);
   int32_t* p = permutes.mutable_data_ptr<int32_t>();
@@ -449,7 +483,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>> kt_regroup_
     for (int64_t v : row) *p++ = static_cast<int32_t>(v);
   }
   auto int_tensor = [&](const std::vector<int64_t>& v) {
-    return at::tensor(v, at::TensorOptions().dtype(at::kLong)).to(at::kInt);
+    at::Tensor t = at::empty({int64_t(v.size())}, i32);
+    std::copy(v.begin(), v.end(), t.mutable_data_ptr<int32_t>());
+    return t;
   };
   at::Tensor in_shapes = int_tensor(plan.in_lengths);
   at::Tensor out_shapes = int_tensor(plan.out_lengths);
