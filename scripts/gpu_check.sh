@@ -28,9 +28,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_results}
 DRY=0
+OFFLINE=0
 while [ $# -gt 0 ]; do
   case $1 in
     --dry-run) DRY=1 ;;
+    --offline) OFFLINE=1 ;;
     --out) OUT=$2; shift ;;
     -h | --help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -64,7 +66,19 @@ step() {
 say "# kt_regroup GPU check$([ "$DRY" = 1 ] && echo ' (DRY RUN on CPU: no GPU was used)') ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null))"
 
 # --- 1. the CUDA stack --------------------------------------------------------------------
-if [ "$INSTALL" = 1 ]; then
+if [ "$OFFLINE" = 1 ]; then
+  # The lent machine as it is: its own python3/torch/triton; the carried wheels of
+  # scripts/gpu_wheels.sh go into a target folder (no network, --no-index); kt_regroup is
+  # built in place against the machine's torch.
+  PY=${PYTHON:-python3}
+  TARGET=${TARGET:-$PWD/.gpu_site}
+  step install 240 bash -c "
+    set -e
+    $PY -m pip install -q --no-index --no-deps --target '$TARGET' .whl/*.whl
+    MAX_JOBS=\${MAX_JOBS:-16} $PY setup.py build_ext --inplace
+  " || { tail -n 30 "$OUT/install.log"; exit 1; }
+  export PYTHONPATH="$PWD:$TARGET${PYTHONPATH:+:$PYTHONPATH}"
+elif [ "$INSTALL" = 1 ]; then
   [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
   PY="$VENV/bin/python"
   step install 240 bash -c "

@@ -697,3 +697,30 @@ def test_cuda_graph_captures_forward_and_backward():
             grads, permutes, in_shapes, out_shapes, layout.in_widths, 64, torch.float32
         ),
     )
+
+
+@pytest.fixture
+def triton_on_cpu():
+    """The Triton kernels registered for CPU on a Library of the test's own, destroyed after."""
+    from kt_regroup.kernels import triton as kt_triton
+
+    lib = torch.library.Library("kt_regroup", "IMPL")
+    kt_triton.register(lib, "CPU")
+    yield kt_triton
+    lib._destroy()
+
+
+def test_register_serves_the_ops_and_falls_back(triton_on_cpu, monkeypatch):
+    calls = []
+    real = triton_on_cpu.permute_multi_embedding_triton
+    monkeypatch.setattr(triton_on_cpu, "permute_multi_embedding_triton",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.arange(6.0).view(2, 3)
+    p = torch.tensor([[0, 0, 1, 0, 2, -1]], dtype=torch.int32)
+    args = (p, torch.tensor([3]), torch.tensor([2]), [2])
+    (y,) = torch.ops.kt_regroup.permute_multi_embedding([x], *args)
+    assert calls and torch.equal(y, x[:, 1:])
+    calls.clear()
+    xi = torch.arange(6, dtype=torch.int32).view(2, 3)  # Triton kernels do not take int32
+    (yi,) = torch.ops.kt_regroup.permute_multi_embedding([xi], *args)
+    assert not calls and torch.equal(yi, xi[:, 1:])

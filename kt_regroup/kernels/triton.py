@@ -652,3 +652,36 @@ def permute_multi_embedding_backward_op_triton(
     return permute_multi_embedding_backward_triton(
         grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype
     )
+
+
+_OPS = {
+    "permute_multi_embedding": lambda *a: permute_multi_embedding_to_triton(
+        *a, None, "permute_multi_embedding"),
+    "permute_multi_embedding_to": permute_multi_embedding_to_triton,
+    "permute_multi_embedding_into": permute_multi_embedding_into_triton,
+    "permute_multi_embedding_backward": permute_multi_embedding_backward_op_triton,
+}
+
+
+def register(lib: torch.library.Library, dispatch_key: str) -> None:
+    """Registers the Triton kernels of the four regroup ops on ``lib`` for ``dispatch_key``.
+
+    Each op gets one entry. Where a kernel returns ``NotImplemented`` (a dtype Triton does
+    not take, a plan on another device), the kernel that served ``dispatch_key`` before
+    this registration runs instead (fetched with :func:`torch.library.get_kernel`).
+    Destroying ``lib`` (``lib._destroy()``) restores the previous kernels.
+    """
+    import warnings
+
+    for name, kernel in _OPS.items():
+        before = torch.library.get_kernel(f"kt_regroup::{name}", dispatch_key)
+
+        def entry(keyset, *args, _kernel=kernel, _before=before):
+            result = _kernel(*args)
+            if result is NotImplemented:
+                return _before.call_boxed(keyset, *args)
+            return result
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            lib.impl(name, entry, dispatch_key, with_keyset=True)
