@@ -17,6 +17,7 @@ the index of the next one, the last minus the row count; rows of keys used once 
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -78,7 +79,10 @@ class RegroupPlan:
 @functools.lru_cache(maxsize=128)  # no lock of ours: safe across threads and fork()
 def _cached(keys: Names, lengths: Tuple[Tuple[int, ...], ...], groups: Names) -> RegroupPlan:
     # Real tensors whatever mode is active (fake kernels build plans under FakeTensorMode).
-    with _disable_current_modes():
+    # Entered only under a mode: it imports inside, and an import lock held by another
+    # thread at fork() would never be released in the child.
+    modes = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else nullcontext()
+    with modes:
         permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
             torch.empty(0), [list(k) for k in keys], [list(n) for n in lengths],
             [list(g) for g in groups],

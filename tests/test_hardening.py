@@ -6,9 +6,12 @@ rebuilt on every call for tuple keys, and obscure errors for careless calls.
 """
 
 import logging
+import os
 import random
+import signal
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -261,3 +264,44 @@ def test_mixed_inputs_through_fx_script_and_export():
     batch = torch.export.Dim("batch", min=1, max=1024)
     program = torch.export.export(model, args, dynamic_shapes=({0: batch},) * 3)
     assert_same_list(list(program.module()(*args)), expected)
+
+
+def test_plan_cache_survives_fork_while_another_thread_misses():
+    # A lock held by a thread at fork() stays held forever in the child: children
+    # deadlocked in get_plan. The cache takes no lock of ours.
+    stop = threading.Event()
+
+    def hammer() -> None:
+        i = 0
+        while not stop.is_set():
+            kt_regroup.get_plan([["p", "q"]], [[1 + i % 5000, 2]], [["q", "p"]])
+            i += 1
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    stuck = 0
+    try:
+        for n in range(40):
+            pid = os.fork()
+            if pid == 0:  # the child: misses and hits, then leaves at once
+                try:
+                    plan = kt_regroup.get_plan([["a"]], [[3 + n]], [["a", "a"]])
+                    os._exit(0 if plan.out_lengths == (6 + 2 * n,) else 1)
+                finally:
+                    os._exit(2)
+            deadline = time.monotonic() + 20
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    assert os.waitstatus_to_exitcode(status) == 0
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    stuck += 1
+                    break
+                time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join()
+    assert stuck == 0
