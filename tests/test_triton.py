@@ -34,16 +34,16 @@ from conftest import (  # noqa: E402
 )
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from reference import (  # noqa: E402
+    permute_multi_embedding_backward_reference,
+    permute_multi_embedding_reference,
+)
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torchrec.sparse.jagged_tensor import _kt_regroup_arguments  # noqa: E402
 
 import kt_regroup  # noqa: E402
 import kt_regroup.kernels.triton as kt  # noqa: E402
-from kt_regroup.kernels.reference import (  # noqa: E402
-    permute_multi_embedding_backward_reference,
-    permute_multi_embedding_reference,
-)
 from kt_regroup.kernels.triton import (  # noqa: E402
     permute_multi_embedding_backward_triton,
     permute_multi_embedding_triton,
