@@ -134,7 +134,7 @@ def main(steps: int = 30, batch_size: int = 256, seed: int = 0, log_every: int =
     print(
         f"mean loss over the first {len(batches)} steps {first:.4f}, last {len(batches)} {last:.4f}"
     )
-    print(f"kt_regroup backend: {kt_regroup.backend('cpu')}")
+    print(f"kt_regroup op library: {kt_regroup.library_path()}")
     return losses
 
 

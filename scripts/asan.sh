@@ -39,7 +39,7 @@ echo "asan: $CASES fuzz cases from seed $FIRST, LD_PRELOAD=$LIBASAN"
 # fail (a Python exception), as they do without ASan.
 LOG=$OUT/fuzz.log
 set +e
-LD_PRELOAD="$LIBASAN" PYTHONPATH="$SITE" KT_REGROUP_BACKEND=cpp \
+LD_PRELOAD="$LIBASAN" PYTHONPATH="$SITE" \
   ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:halt_on_error=1:abort_on_error=1 \
   "$PY" tests/test_fuzz.py --first "$FIRST" --cases "$CASES" >"$LOG" 2>&1
 rc=$?

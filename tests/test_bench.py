@@ -223,12 +223,17 @@ def test_scattered_layout_is_seeded_and_scattered(duplicates):
         assert [g[:-1] for g in scattered.groups] == plain.groups
 
 
-def test_segments_match_the_planners_coalescing():
+def test_segments_are_the_plan_rows_merged_where_they_continue_each_other():
     for allocation in ("seed", "scattered"):
         lay = layout_from_flags(**PRESETS["quick"], duplicates=True, allocation=allocation)
-        plan = kt_regroup.RegroupPlan.build(lay.keys, lay.lengths, lay.groups)
-        tensors = getattr(plan, "coalesced_tensors", None) or plan.tensors
-        assert tensors(CPU)[0].shape[0] == lay.segments
+        rows = kt_regroup.get_plan(lay.keys, lay.lengths, lay.groups).rows
+        merged = sum(
+            1 for i, r in enumerate(rows)
+            if r[4] > 0 and r[5] == 0 and i > 0 and rows[i - 1][5] == 0
+            and rows[i - 1][:2] == r[:2] and rows[i - 1][2] + rows[i - 1][4] == r[2]
+            and rows[i - 1][3] + rows[i - 1][4] == r[3]
+        )
+        assert len(rows) - merged == lay.segments
 
 
 @pytest.mark.parametrize("grad", GRADS)

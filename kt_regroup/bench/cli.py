@@ -265,6 +265,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         Cell,
         make_providers,
         select,
+        serving_kernel,
     )
 
     quick = args.preset == "quick"
@@ -394,7 +395,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "threads": threads,
         # other jobs on the machine: 1-minute load average when the run started and ended
         "load_average": [load_at_start, os.getloadavg()[0] if load_at_start is not None else None],
-        "backend": kt_regroup.backend(device),
+        "backend": serving_kernel(device),
         # the compiled library the ops came from (None: portable kernels only)
         "library": (getattr(kt_regroup, "library_path", None) or (lambda: None))(),
         "memory_method": probe.method,

@@ -220,9 +220,9 @@ def layout_from_json(
     missing = [k for k in ("keys", "lengths", "groups") if k not in spec]
     if missing:
         raise ValueError(f"{path}: layout file lacks {missing}; expected keys, lengths, groups")
-    from kt_regroup import RegroupPlan
+    from kt_regroup import get_plan
 
-    RegroupPlan.build(spec["keys"], spec["lengths"], spec["groups"])  # raises with a reason
+    get_plan(spec["keys"], spec["lengths"], spec["groups"])  # raises with a reason
     bs = batch_size if batch_size is not None else int(spec.get("batch_size", 1024))
     layout = BenchLayout(
         keys=[list(k) for k in spec["keys"]],

@@ -172,9 +172,8 @@ def _with_backward(cell: Cell, forward: Callable[[], List[torch.Tensor]]):
 def _kt_plan_tensors(cell: Cell):
     import kt_regroup
 
-    plan = kt_regroup.RegroupPlan.build(cell.layout.keys, cell.layout.lengths, cell.layout.groups)
-    # The coalesced rows are what kt_regroup's own module feeds its kernels.
-    tensors = getattr(plan, "coalesced_tensors", None) or plan.tensors
+    plan = kt_regroup.get_plan(cell.layout.keys, cell.layout.lengths, cell.layout.groups)
+    tensors = plan.tensors
     return plan, tensors(cell.device)
 
 
@@ -351,9 +350,8 @@ def make_providers(device: torch.device) -> List[Provider]:
     kt_regroup appears once per surface (module, functional, op) on the backend that
     serves ``device`` (``KT_REGROUP_BACKEND`` forces one).
     """
-    import kt_regroup
 
-    backend = kt_regroup.backend(device)
+    backend = serving_kernel(device)
     providers = [
         Provider(f"kt_regroup.KTRegroupAsDict [{backend}]", "kt_regroup", _kt_module),
         Provider(f"kt_regroup.regroup [{backend}]", "kt_regroup", _kt_functional),
@@ -393,3 +391,14 @@ def select(providers: List[Provider], only: Optional[List[str]], skip: Optional[
 
     out = [p for p in providers if not only or hit(p, only)]
     return [p for p in out if not skip or not hit(p, skip)]
+
+
+def serving_kernel(device) -> str:
+    """What serves torch.ops.kt_regroup on ``device``: Triton on CUDA where it imports
+    (kt_regroup.ops registers it), else the library's native CPU or portable kernel."""
+    import importlib.util
+
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "triton" if importlib.util.find_spec("triton") else "portable"
+    return "cpp" if kind == "cpu" else "portable"
