@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    clone_all,
     SMALL_LAYOUT,
     WIDTHS,
     assert_same_list,
+    clone_all,
     dtype_ids,
     expected_grads,
     expected_regroup,

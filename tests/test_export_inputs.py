@@ -23,6 +23,9 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 import kt_regroup
 from kt_regroup.keyed_tensor_pytree import register_keyed_tensor_pytree
 
+# What users do before exporting with KeyedTensor inputs (patch_torchrec() does it too).
+register_keyed_tensor_pytree()
+
 NAMES = ["g0", "g1", "g2"]
 
 
@@ -45,9 +48,10 @@ def _export(strict: bool) -> torch.export.ExportedProgram:
     example = keyed_tensors(SMALL_LAYOUT, make_values(SMALL_LAYOUT, 4))
     # One spec per KeyedTensor leaf (its values): dim 0 is the batch.
     dynamic = ([[{0: batch}] for _ in example],)
-    return torch.export.export(
-        _TakesKeyedTensors(), (example,), dynamic_shapes=dynamic, strict=strict
-    )
+    model = _TakesKeyedTensors()
+    model(example)  # warm: the plan goes into the program as constants (a cold module's
+    # graph builds it with kt_regroup_arguments, whose str[][] arguments export cannot save)
+    return torch.export.export(model, (example,), dynamic_shapes=dynamic, strict=strict)
 
 
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
@@ -83,6 +87,7 @@ def test_keys_path_names_the_values_attribute():
 
 
 def test_registration_is_idempotent():
+    register_keyed_tensor_pytree()
     assert register_keyed_tensor_pytree() is False
 
 
@@ -125,7 +130,9 @@ def test_fresh_process_import_order_and_what_export_needed():
                 return type(e).__name__ + ": " + str(e).splitlines()[0]
 
         facts["export_before"] = exports()
-        from kt_regroup import KTRegroupAsDict  # noqa: F401  (the torchrec-facing API registers it)
+        from kt_regroup import KTRegroupAsDict  # noqa: F401  (registers nothing)
+        facts["export_after_module_import"] = exports()
+        kt_regroup.register_keyed_tensor_pytree()  # the explicit call (patch_torchrec makes it)
         after = pytree.SUPPORTED_NODES[KeyedTensor]
         facts["keys_fn_after"] = after.flatten_with_keys_fn is not None
         facts["flatten_kept"] = node is None or after.flatten_fn is node.flatten_fn
@@ -144,6 +151,7 @@ def test_fresh_process_import_order_and_what_export_needed():
         # torchrec 1.9.2: its node has no keys function and export refuses the input.
         assert facts["export_before"] != "ok", facts
         assert "flatten_with_keys" in facts["export_before"], facts
+        assert facts["export_after_module_import"] == facts["export_before"], facts
 
 
 def test_fresh_process_never_replaces_a_complete_registration():

@@ -478,7 +478,7 @@ def test_into_with_meta_inputs_and_real_outs_raises():
     permutes = torch.tensor([[0, 0, 0, 0, 3, 0]], dtype=torch.int32)
     shapes = torch.tensor([3], dtype=torch.int32)
     outs = [torch.full((2, 3), 7.0)]
-    with pytest.raises(ValueError, match="outs"):
+    with pytest.raises(ValueError, match="on meta; all must be on one device"):
         torch.ops.kt_regroup.permute_multi_embedding_into([x], permutes, shapes, shapes, outs)
 
 

@@ -11,7 +11,6 @@ from conftest import (
     Layout,
     assert_same_list,
     expected_regroup,
-    make_values,
     needs_fbgemm,
     random_layout,
 )
