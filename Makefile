@@ -1,8 +1,9 @@
 # Two entry points; each one sets up ./.venv first (see scripts/setup_env.sh).
 #   make bench   - the regroup benchmark (scattered seed-size layout, CPU), tables on stdout
 #   make test    - the test suite
+#   make lint    - ruff check (configured in pyproject.toml)
 #   make asan    - the op library built with AddressSanitizer (build/asan), fuzz cases run on it
-.PHONY: bench test setup asan
+.PHONY: bench test setup asan lint
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ASAN_CASES ?= 3000
@@ -15,6 +16,9 @@ bench: setup
 
 test: setup
 	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	.venv/bin/ruff check kt_regroup tests benchmarks examples
 
 asan: setup
 	./scripts/asan.sh $(ASAN_CASES)
