@@ -541,3 +541,42 @@ def test_allow_views_with_an_empty_group_and_only_view_groups():
     assert out["sparse"].data_ptr() == kts[1].values().data_ptr()
     assert out["none"].shape == (4, 0)
     torch.testing.assert_close(out["sparse"], kts[1].values(), rtol=0, atol=0)
+
+
+def _modes(layout):
+    """The warm module in every mode it runs in: eager, fx, TorchScript, torch.compile."""
+    def make():
+        m = KTRegroupAsDict(layout.groups, _names(layout))
+        m(keyed_tensors(layout, make_values(layout, 2)))  # the plan of `layout`
+        return m
+
+    return {
+        "eager": make(),
+        "fx": torch.fx.symbolic_trace(make()),
+        "torchscript": torch.jit.script(torch.fx.symbolic_trace(make())),
+        "compile": torch.compile(make(), backend="aot_eager"),
+    }
+
+
+def test_a_changed_layout_gives_the_same_results_and_errors_in_every_mode():
+    layout = SMALL_LAYOUT
+    for mode, m in _modes(layout).items():
+        for lay in (WIDER, REORDERED, layout):
+            values = make_values(lay, 3, seed=len(lay.keys[0]))
+            _check_dict(m(keyed_tensors(lay, values)), values, lay)
+        # TorchScript raises errors as RuntimeErrors (torch.jit.Error), with the same
+        # message (its dtypes print as numbers).
+        script = mode == "torchscript"
+        # Mixed dtypes without emb_dtype: one TypeError, naming emb_dtype, in every mode,
+        # for the plan's layout and for a changed one.
+        for lay in (layout, WIDER):
+            values = make_values(lay, 3)
+            values[1] = values[1].double()
+            with pytest.raises(torch.jit.Error if script else TypeError,
+                               match=r"KTRegroupAsDict: input 1 is .* set emb_dtype"):
+                m(keyed_tensors(lay, values))
+        # A key no input has: the library's IndexError in every mode.
+        missing = Layout([["zz", "b"], layout.keys[1]], layout.lengths, layout.groups)
+        with pytest.raises(RuntimeError if script else IndexError,
+                           match=r"group 0 asks for key 'a'"):
+            m(keyed_tensors(missing, make_values(missing, 2)))
