@@ -508,3 +508,14 @@ def test_quantized_inference_model_equals_torchrec_eager_traced_and_scripted():
     with torch.inference_mode():
         torch.testing.assert_close(gm(_features(1)), expected, rtol=0, atol=0)
         torch.testing.assert_close(scripted(_features(1)), expected, rtol=0, atol=0)
+
+
+def test_patched_keyed_tensor_methods_keep_torchrecs_frozen_signatures():
+    # torchrec's API-compatibility test (schema/api_tests, not in the wheel) compares these.
+    import inspect
+
+    before = [inspect.signature(getattr(KeyedTensor, n)) for n in ("regroup", "regroup_as_dict")]
+    with kt_regroup.patch_torchrec():
+        after = [inspect.signature(getattr(KeyedTensor, n)) for n in ("regroup", "regroup_as_dict")]
+        assert KeyedTensor.__dict__["regroup"] is not None
+    assert after == before
