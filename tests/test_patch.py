@@ -517,5 +517,4 @@ def test_patched_keyed_tensor_methods_keep_torchrecs_frozen_signatures():
     before = [inspect.signature(getattr(KeyedTensor, n)) for n in ("regroup", "regroup_as_dict")]
     with kt_regroup.patch_torchrec():
         after = [inspect.signature(getattr(KeyedTensor, n)) for n in ("regroup", "regroup_as_dict")]
-        assert KeyedTensor.__dict__["regroup"] is not None
     assert after == before
