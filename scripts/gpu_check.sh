@@ -3,11 +3,11 @@
 # wheels are downloaded:
 #   1. installs the CUDA stack into $VENV (torch, triton, the CUDA fbgemm-gpu, torchrec,
 #      kt_regroup built against that torch);
-#   2. runs the tests with CUDA cases (the Triton kernels compiled, the backends on CUDA);
+#   2. runs the tests with CUDA cases (the Triton kernels compiled);
 #   3. captures one training step (forward + backward + SGD) in a CUDA graph, with CUDA's
 #      sync debug mode raising on any host sync, and checks the replay against eager;
 #   4. benchmarks the seed layout (B=1024, 20x64 + 1000x128 keys), with and without
-#      duplicates, forward and forward+backward: kt_regroup (its backend in the header)
+#      duplicates, forward and forward+backward: kt_regroup
 #      vs FBGEMM's op, torchrec's Triton op where installed, KeyedTensor.regroup and a
 #      device copy of the same bytes; P50/P90 from CUDA events, peak memory;
 #   5. checks the issue's goals on that table (reported, they do not fail the script).
@@ -107,17 +107,18 @@ for module in ("triton", "fbgemm_gpu", "torchrec"):
     except Exception as e:  # reported; the steps that need it fail on their own
         print(module, "unavailable:", e)
 print("kt_regroup", kt_regroup.__version__, "library", kt_regroup.library_path())
-print("kt_regroup.backend(cuda) =", kt_regroup.backend("cuda"), "backend(cpu) =", kt_regroup.backend("cpu"))
+import importlib.util
+print("CUDA kernel:", "triton" if torch.cuda.is_available() and importlib.util.find_spec("triton") else "the portable kernel of the library")
 ' || { tail -n 30 "$OUT/environment.log"; exit 1; }
 head -n -1 "$OUT/environment.log" | sed 's/^/    /' >>"$REPORT"
 
 # --- 2. tests with CUDA cases (the kernels compiled, not interpreted) ------------------------
 if [ "$DRY" = 1 ]; then  # the same files, the Triton kernels in the interpreter
-  step tests 300 env TRITON_INTERPRET=1 KT_REGROUP_BACKEND=triton "$PY" -m pytest -q -x \
-    -p no:cacheprovider tests/test_backends.py -k "parity and not each_backend"
+  step tests 300 env TRITON_INTERPRET=1 "$PY" -m pytest -q -x \
+    -p no:cacheprovider tests/test_triton.py -k "register or match_reference"
 else
   step tests 200 env -u TRITON_INTERPRET "$PY" -m pytest -q -x -p no:cacheprovider \
-    tests/test_triton.py tests/test_backends.py
+    tests/test_triton.py
 fi
 
 # --- 3. one training step: no host sync, captured in a CUDA graph, replayed ---------------
@@ -155,7 +156,7 @@ def restore(state):
         for t, s in zip(params, state):
             t.copy_(s)
 
-print("backend:", kt_regroup.backend(dev))
+print("device:", dev)
 if dev.type == "cuda":
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
