@@ -112,7 +112,7 @@ def library_path() -> str:
 # --- fake kernels: sizes only --------------------------------------------------------------
 
 
-def _check_sizes(op: str, name: str, tensors, sizes, **metadata) -> torch.Tensor:
+def _check_sizes(op: str, name: str, tensors, sizes, sizes_name="out_lengths", **metadata) -> torch.Tensor:
     # Meta tensors next to real ones dispatch here too: refused, never an uninitialised
     # real result or outputs left unwritten.
     named = [(f"{name}[{i}]", t) for i, t in enumerate(tensors)] + list(metadata.items())
@@ -131,7 +131,7 @@ def _check_sizes(op: str, name: str, tensors, sizes, **metadata) -> torch.Tensor
         )
     for j, n in enumerate(sizes):
         if isinstance(n, int) and n < 0:
-            raise ValueError(f"kt_regroup.{op}: size {j} is negative ({n})")
+            raise ValueError(f"kt_regroup.{op}: {sizes_name}[{j}] is negative ({n})")
     return first
 
 
@@ -161,10 +161,10 @@ def _(pooled_embs, permutes, in_shapes, out_shapes, outs):
 def _(grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype):
     op = "permute_multi_embedding_backward"
     if all(g is None for g in grad_outputs):  # sizes from the arguments: only devices to check
-        _check_sizes(op, "permutes", [permutes], in_lengths, in_shapes=in_shapes,
+        _check_sizes(op, "permutes", [permutes], in_lengths, "in_lengths", in_shapes=in_shapes,
                      out_shapes=out_shapes)
     else:
-        _check_sizes(op, "grad_outputs", grad_outputs, in_lengths, permutes=permutes,
+        _check_sizes(op, "grad_outputs", grad_outputs, in_lengths, "in_lengths", permutes=permutes,
                      in_shapes=in_shapes, out_shapes=out_shapes)
     device = next((g.device for g in grad_outputs if g is not None), permutes.device)
     return [torch.empty(batch_size, n, dtype=dtype, device=device) for n in in_lengths]
