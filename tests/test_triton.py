@@ -607,6 +607,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
     kt._permute_kernel = CompileInsteadOfLaunch(kt._permute_kernel)
     kt._zero_unwritten_kernel = CompileInsteadOfLaunch(kt._zero_unwritten_kernel)
+    kt.wrap_triton = lambda kernel: kernel  # eager launches: wrap_triton passes kernels through
 
     def run(case, xs, rows, out_lengths, dtype=None, grad_dtype=None):
         sys.argv[1:] = [case]
@@ -712,9 +713,8 @@ def triton_on_cpu():
 
 def test_register_serves_the_ops_and_falls_back(triton_on_cpu, monkeypatch):
     calls = []
-    real = triton_on_cpu.permute_multi_embedding_triton
-    monkeypatch.setattr(triton_on_cpu, "permute_multi_embedding_triton",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = triton_on_cpu._forward
+    monkeypatch.setattr(triton_on_cpu, "_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.arange(6.0).view(2, 3)
     p = torch.tensor([[0, 0, 1, 0, 2, -1]], dtype=torch.int32)
     args = (p, torch.tensor([3]), torch.tensor([2]), [2])
@@ -724,3 +724,60 @@ def test_register_serves_the_ops_and_falls_back(triton_on_cpu, monkeypatch):
     xi = torch.arange(6, dtype=torch.int32).view(2, 3)  # Triton kernels do not take int32
     (yi,) = torch.ops.kt_regroup.permute_multi_embedding([xi], *args)
     assert not calls and torch.equal(yi, xi[:, 1:])
+
+
+# --- argument checks: the library's own -----------------------------------------------------
+
+
+def _error(fn):
+    with pytest.raises((ValueError, TypeError, IndexError)) as info:
+        fn()
+    return info.type, str(info.value).splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "case", ["3d", "mixed_dtypes", "batch", "permutes_shape", "permutes_dtype", "in_shapes",
+             "out_shapes", "negative_length", "empty"],
+)  # fmt: skip
+def test_forward_errors_are_the_librarys(case):
+    """The Triton entry runs the C++ checks (``kt_regroup::_check_permute_args``): the same
+    error type and message as the library's CPU kernel for the same bad arguments."""
+    x, y = torch.randn(2, 4), torch.randn(2, 3)
+    p = torch.tensor([[0, 0, 0, 0, 4, 0], [1, 0, 0, 4, 3, 0]], dtype=torch.int32)
+    ins, outs, n = torch.tensor([4, 3]), torch.tensor([7]), [7]
+    args = {
+        "3d": ([x, y.view(2, 3, 1)], p, ins, outs, n),
+        "mixed_dtypes": ([x, y.double()], p, ins, outs, n),
+        "batch": ([x, torch.randn(3, 3)], p, ins, outs, n),
+        "permutes_shape": ([x, y], p[:, :5], ins, outs, n),
+        "permutes_dtype": ([x, y], p.float(), ins, outs, n),
+        "in_shapes": ([x, y], p, ins[:1], outs, n),
+        "out_shapes": ([x, y], p, ins, torch.tensor([7, 1]), n),
+        "negative_length": ([x, y], p, ins, outs, [-7]),
+        "empty": ([], p, ins, outs, n),
+    }[case]
+    on = [(a.to(DEVICE) if isinstance(a, torch.Tensor) else a) for a in args]
+    on[0] = [t.to(DEVICE) for t in args[0]]
+    expected = _error(lambda: torch.ops.kt_regroup.permute_multi_embedding(*args))
+    assert _error(lambda: permute_multi_embedding_triton(*on)) == expected
+
+
+@pytest.mark.parametrize("case", ["batch", "dtypes", "negative_batch", "out_shapes"])
+def test_backward_errors_are_the_librarys(case):
+    g = torch.randn(2, 3)
+    p = torch.tensor([[0, 0, 0, 0, 3, 0]], dtype=torch.int32)
+    shapes = torch.tensor([3])
+    args = {
+        "batch": ([g, torch.randn(3, 1)], p, shapes, torch.tensor([3, 1]), [3], 2),
+        "dtypes": ([g, torch.randn(2, 1).double()], p, shapes, torch.tensor([3, 1]), [3], 2),
+        "negative_batch": ([None], p, shapes, shapes, [3], -1),
+        "out_shapes": ([g], p, shapes, torch.tensor([3, 1]), [3], 2),
+    }[case]
+    on = [[None if t is None else t.to(DEVICE) for t in args[0]]] + [
+        a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args[1:]
+    ]
+    expected = _error(
+        lambda: torch.ops.kt_regroup.permute_multi_embedding_backward(*args, torch.float32)
+    )
+    got = _error(lambda: permute_multi_embedding_backward_triton(*on, torch.float32))
+    assert got == expected
