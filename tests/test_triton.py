@@ -37,6 +37,7 @@ from hypothesis import strategies as st  # noqa: E402
 from reference import (  # noqa: E402
     permute_multi_embedding_backward_reference,
     permute_multi_embedding_reference,
+    permute_multi_embedding_to_reference,
 )
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -781,3 +782,38 @@ def test_backward_errors_are_the_librarys(case):
     )
     got = _error(lambda: permute_multi_embedding_backward_triton(*on, torch.float32))
     assert got == expected
+
+
+# --- the triton_ops that compiled graphs run (tests/test_triton_compile.py traces them) ----
+
+
+@pytest.mark.parametrize(
+    "src,dst", [(None, None), ((torch.bfloat16, torch.float32), torch.float16)],
+    ids=["one_dtype", "mixed_to_float16"],
+)  # fmt: skip
+def test_triton_ops_match_reference(src, dst):
+    """``kt_regroup::_permute_multi_embedding_triton`` and its backward, called as ops (the
+    calls a compiled graph makes), against the oracle; inputs never modified."""
+    layout = SMALL_LAYOUT
+    permutes, in_shapes, out_shapes, out_lengths = metadata("torchrec", layout)
+    values = values_on(layout, 4, torch.float32, seed=21)
+    if src is not None:
+        values = [v.to(d) for v, d in zip(values, src)]
+    before = clone_all(values)
+    got = torch.ops.kt_regroup._permute_multi_embedding_triton(values, permutes, out_lengths, dst)
+    ref = permute_multi_embedding_to_reference(
+        [v.cpu().float() if src else v.cpu() for v in values], permutes.cpu(), in_shapes.cpu(),
+        out_shapes.cpu(), out_lengths, dst,
+    )  # fmt: skip
+    assert_same_list([g.cpu() for g in got], ref)
+    assert_same_list(values, before)
+    grads = random_grads(out_lengths, 4, dst or torch.float32, seed=22)
+    grads[1] = None
+    back = torch.ops.kt_regroup._permute_multi_embedding_backward_triton(
+        grads, permutes, out_shapes, layout.in_widths, 4, torch.float32
+    )
+    ref = permute_multi_embedding_backward_reference(
+        [None if g is None else g.cpu() for g in grads], permutes.cpu(), in_shapes.cpu(),
+        out_shapes.cpu(), layout.in_widths, 4, torch.float32,
+    )  # fmt: skip
+    assert_same_list([b.cpu() for b in back], ref)

@@ -446,7 +446,7 @@ def _run(
                 "N_WRITES": len(writes[w]),
             }
             # One byte per written column: 1 where the copy kernel wrote it.
-            written = torch.zeros(n_here, dtype=torch.int8, device=device)
+            written = writes[0].new_zeros(n_here, dtype=torch.int8)
             if n_rows > 0:
                 for r_lo in read_chunks:
                     r = slice(r_lo, r_lo + MAX_TENSORS)
@@ -474,7 +474,7 @@ def _forward(pooled_embs, permutes, out_lengths, dtype=None, out=None) -> List[t
     batch = first.size(0)
     if out is None:
         out_dtype = first.dtype if dtype is None else dtype
-        outs = [torch.empty(batch, n, dtype=out_dtype, device=first.device) for n in out_lengths]
+        outs = [first.new_empty((batch, n), dtype=out_dtype) for n in out_lengths]
     else:
         outs = list(out)
     if outs:
@@ -486,11 +486,11 @@ def _forward(pooled_embs, permutes, out_lengths, dtype=None, out=None) -> List[t
 
 def _backward(grad_outputs, permutes, out_shapes, in_lengths, batch_size, dtype):
     """The gradients, without checks (they come before)."""
+    # Factories on a tensor of the device: no device lookup (fake tensors have none).
     defined = [g for g in grad_outputs if g is not None]
-    device = defined[0].device if defined else permutes.device
     if not defined:
-        return [torch.zeros(batch_size, n, dtype=dtype, device=device) for n in in_lengths]
-    grads = [torch.empty(batch_size, n, dtype=dtype, device=device) for n in in_lengths]
+        return [permutes.new_zeros((batch_size, n), dtype=dtype) for n in in_lengths]
+    grads = [defined[0].new_empty((batch_size, n), dtype=dtype) for n in in_lengths]
     reads: List[Optional[torch.Tensor]] = list(grad_outputs)
     if len(reads) > MAX_TENSORS:
         reads, permutes = _concatenated(reads, permutes, out_shapes)
@@ -706,3 +706,92 @@ def register(lib: torch.library.Library, dispatch_key: str) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
             lib.impl(name, entry, dispatch_key, with_keyset=True)
+
+
+# --- inside compiled and exported graphs ----------------------------------------------------
+# Inductor treats the library's ops as opaque extern calls: a compiled or AOTInductor graph
+# calls them through the dispatcher, and an AOTInductor package loaded without this module
+# (a C++ predictor) gets the portable kernel. The triton_ops below run the same launches
+# through wrap_triton, so a trace records the Triton kernels themselves and Inductor
+# compiles them into its code (cubins in an AOTInductor package). The public ops are
+# rewritten into them where AOTAutograd functionalizes the graph (a FunctionalTensorMode
+# rule, the mechanism triton_op itself uses): by then autograd has split the step into
+# the forward and backward ops, so a training step gets Triton kernels both ways.
+# torch.export keeps the library's ops (its graph stays portable and serializable; its
+# AOTInductor compile is what decomposes them); so do CPU tensors and what these kernels
+# do not take (a dtype, a plan on another device): the library's kernels serve those.
+
+
+@torch.library.triton_op("kt_regroup::_permute_multi_embedding_triton", mutates_args=())
+def _permute_op(
+    pooled_embs: List[torch.Tensor],
+    permutes: torch.Tensor,
+    out_lengths: List[int],
+    dtype: Optional[torch.dtype],
+) -> List[torch.Tensor]:
+    """``permute_multi_embedding_to`` (``dtype=None``: ``permute_multi_embedding``) by the
+    Triton kernels; arguments as checked by the op's fake kernel."""
+    return _forward(_widened(pooled_embs), permutes, out_lengths, dtype)
+
+
+@torch.library.triton_op("kt_regroup::_permute_multi_embedding_backward_triton", mutates_args=())
+def _backward_op(
+    grad_outputs: List[Optional[torch.Tensor]],
+    permutes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    in_lengths: List[int],
+    batch_size: int,
+    dtype: torch.dtype,
+) -> List[torch.Tensor]:
+    """``permute_multi_embedding_backward`` by the Triton kernels."""
+    return _backward(grad_outputs, permutes, out_shapes, in_lengths, batch_size, dtype)
+
+
+def _in_graph(types, tensors, permutes, dtype, one_dtype: bool) -> bool:
+    """Whether a functionalized call is rewritten into the triton_ops."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+    defined = [t for t in tensors if t is not None]
+    return (
+        not custom_triton_ops_decomposition_disabled()  # torch.export: keep the library's op
+        and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is torch.Tensor for t in types)
+        and permutes.device.type == "cuda"
+        and _takes(tensors, permutes, dtype)
+        and (not one_dtype or len({t.dtype for t in defined}) <= 1)
+    )
+
+
+def _forward_rule(mode, func, types, args, kwargs):
+    pooled_embs, permutes, _in_shapes, _out_shapes, out_lengths, *rest = args
+    dtype = rest[0] if rest else (kwargs or {}).get("dtype")
+    if pooled_embs and _in_graph(types, pooled_embs, permutes, dtype, dtype is None):
+        with mode:
+            return _permute_op(pooled_embs, permutes, out_lengths, dtype)
+    return mode.__torch_dispatch__(func, types, args, kwargs)
+
+
+def _backward_rule(mode, func, types, args, kwargs):
+    grad_outputs, permutes, _in_shapes, out_shapes, in_lengths, batch_size, dtype = args
+    if _in_graph(types, grad_outputs, permutes, dtype, True):
+        with mode:
+            return _backward_op(grad_outputs, permutes, out_shapes, in_lengths, batch_size, dtype)
+    return mode.__torch_dispatch__(func, types, args, kwargs)
+
+
+def register_graph_rules(lib: torch.library.Library) -> None:
+    """Makes traces that functionalize (``torch.compile``, AOTInductor) rewrite the public
+    regroup ops on CUDA tensors into the triton_ops above (rules on ``lib``: destroying it
+    removes them). Eager calls are untouched (:func:`register` serves those)."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    rules = {
+        "permute_multi_embedding": _forward_rule,
+        "permute_multi_embedding_to": _forward_rule,
+        "permute_multi_embedding_backward": _backward_rule,
+    }
+    for name, rule in rules.items():
+        torch.library.register_torch_dispatch(
+            f"kt_regroup::{name}", FunctionalTensorMode, rule, lib=lib
+        )
