@@ -626,6 +626,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
     # One tensor a side (1-tuples), widths and strides of 1 (compile-time constants), and
     # the float32 -> bfloat16 rounding of the fused cast.
     run("width1_cast", [torch.empty(8, 1)], [[0, 0, 0, 0, 1, 0]], [1], torch.bfloat16)
+    # Inductor (torch.compile, AOTInductor) launches with every int argument equal to 1 as
+    # a compile-time constant, whatever do_not_specialize says: one row, one batch row.
+    for name in ("_permute_kernel", "_zero_unwritten_kernel"):
+        fn = getattr(kt, name).fn.fn
+        setattr(kt, name, CompileInsteadOfLaunch(triton.jit(fn)))
+    run("ones_constant", [torch.empty(1, 1)], [[0, 0, 0, 0, 1, 0]], [1])
     """
 )
 
@@ -658,7 +664,7 @@ def test_kernels_compile_for_cuda_with_128_bit_accesses():
     vector = "['ld.global.v4.b32', 'st.global.v4.b32']"
     assert f"aligned _permute_kernel False {vector}" in lines, stdout
     assert f"aligned _permute_kernel True {vector}" in lines, stdout
-    assert {line.split()[0] for line in lines} == {"aligned", "width1_cast"}, stdout
+    assert {line.split()[0] for line in lines} == {"aligned", "width1_cast", "ones_constant"}, stdout
 
 
 # --- CUDA only ----------------------------------------------------------------------------

@@ -270,7 +270,7 @@ def _permute_kernel(
     w_w = (w_w0, w_w1, w_w2, w_w3, w_w4, w_w5, w_w6, w_w7)
     ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     pid = tl.program_id(0).to(tl.int64)
-    n_rows = n_rows.to(tl.int64)
+    n_rows = tl.cast(n_rows, tl.int64)  # a constant 1 where Inductor launches it
     seg = pid % n_rows
     bblk = pid // n_rows
     row = perm_ptr + seg * perm_s0
@@ -747,15 +747,23 @@ def _backward_op(
     return _backward(grad_outputs, permutes, out_shapes, in_lengths, batch_size, dtype)
 
 
+def _export_keeps_ops() -> bool:
+    """True while torch.export traces (it keeps triton_ops undecomposed, and so do we)."""
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:  # a torch without the switch decomposes triton_ops everywhere
+        return False
+    return custom_triton_ops_decomposition_disabled()
+
+
 def _in_graph(types, tensors, permutes, dtype, one_dtype: bool) -> bool:
     """Whether a functionalized call is rewritten into the triton_ops."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
-    from torch.export._trace import custom_triton_ops_decomposition_disabled
 
     defined = [t for t in tensors if t is not None]
     return (
-        not custom_triton_ops_decomposition_disabled()  # torch.export: keep the library's op
+        not _export_keeps_ops()  # torch.export: keep the library's op
         and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is torch.Tensor for t in types)
         and permutes.device.type == "cuda"
         and _takes(tensors, permutes, dtype)
