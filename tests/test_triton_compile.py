@@ -5,7 +5,8 @@ Without a GPU: a separate process (the kernels compiled, not interpreted) traces
 on fake CUDA tensors the way AOTAutograd does (``FunctionalTensorMode``), with Triton's
 driver replaced by one that names an sm_90 target, so Triton's and Inductor's own
 analysis of the kernels runs: the graph must hold the two Triton kernels and no call of
-the op, and clone nothing but what the kernels write. CPU tensors, a dtype the kernels
+the op, clone nothing but what the kernels write, and nothing at all once Inductor's
+reinplacing pass has run. CPU tensors, a dtype the kernels
 do not take and ``torch.export`` keep the library's op; a compiled CPU training step
 still calls the library's forward and backward ops.
 
@@ -55,6 +56,7 @@ _TRACE_SCRIPT = textwrap.dedent(
     from kt_regroup.kernels import triton as kt
     from torch._dynamo.backends.common import aot_autograd
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops_core
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._subclasses.functional_tensor import dispatch_functionalize
     from torch.export._trace import _disable_custom_triton_op_functional_decomposition
@@ -90,7 +92,14 @@ _TRACE_SCRIPT = textwrap.dedent(
                   for w, d in zip(lengths, dtypes)]
             meta = [torch.empty(t.shape, dtype=t.dtype, device=device)
                     for t in (permutes, in_shapes, out_shapes)]
-            record(case, make_fx(dispatch_functionalize(fn))(xs, *meta))
+            gm = make_fx(dispatch_functionalize(fn))(xs, *meta)
+            record(case, gm)
+            # Inductor's reinplacing pass: what is still cloned when the graph runs.
+            reinplace_inplaceable_ops_core(gm.graph)
+            records[case]["cloned_when_run"] = [
+                n.kwargs["tensors_to_clone"] for n in gm.graph.nodes
+                if "triton_kernel_wrapper" in str(n.target)
+            ]
 
 
     forward = lambda xs, p, i, o: ops.permute_multi_embedding(xs, p, i, o, out_lengths)
@@ -160,13 +169,21 @@ FORWARD_KERNELS = [
 ]
 
 
+# Inductor's reinplacing then drops every clone: the kernels write the fresh buffers.
+NOTHING_CLONED = [[], []]
+
+
 def test_forward_on_cuda_traces_to_the_triton_kernels(traced):
-    assert traced["forward_cuda"] == {"ops": [], "kernels": FORWARD_KERNELS}
+    assert traced["forward_cuda"] == {
+        "ops": [], "kernels": FORWARD_KERNELS, "cloned_when_run": NOTHING_CLONED
+    }
 
 
 def test_mixed_dtype_cast_on_cuda_traces_to_the_triton_kernels(traced):
     # The bfloat16 input is widened by an ATen copy; the regroup is the two kernels.
-    assert traced["cast_mixed_cuda"] == {"ops": [], "kernels": FORWARD_KERNELS}
+    assert traced["cast_mixed_cuda"] == {
+        "ops": [], "kernels": FORWARD_KERNELS, "cloned_when_run": NOTHING_CLONED
+    }
 
 
 def test_backward_on_cuda_traces_to_the_triton_kernels(traced):
@@ -177,12 +194,16 @@ def test_backward_on_cuda_traces_to_the_triton_kernels(traced):
             ["_permute_kernel", ["w0", "w1", "written_ptr"]],
             ["_zero_unwritten_kernel", ["w0", "w1"]],
         ],
+        "cloned_when_run": NOTHING_CLONED,
     }
 
 
 @pytest.mark.parametrize("case", ["forward_cpu", "forward_int32_cuda", "export_cuda"])
 def test_cpu_other_dtypes_and_export_keep_the_librarys_op(traced, case):
-    assert traced[case] == {"ops": ["kt_regroup.permute_multi_embedding.default"], "kernels": []}
+    assert traced[case] == {
+        "ops": ["kt_regroup.permute_multi_embedding.default"], "kernels": [],
+        "cloned_when_run": [],
+    }
 
 
 def test_compiled_cpu_training_step_calls_the_librarys_ops(traced):
