@@ -48,6 +48,13 @@ the input gradient once. No atomics, no read-modify-write of global memory.
 (mask memset, copy, zero fill), backward 3, whatever the number of rows. Batch 0 launches
 nothing.
 
+*Compiled and exported graphs.* The launches go through ``torch.library.wrap_triton`` and
+the two triton_ops at the end of this file run them; :func:`register_graph_rules` makes
+``torch.compile`` and AOTInductor trace the public ops on CUDA into those, so Inductor
+compiles these kernels into its code (an AOTInductor package carries them as cubins)
+instead of calling the op. Kernel arguments are therefore flat (Inductor launches no
+tuples), and every size may be a SymInt there.
+
 *Bad rows* never make an access leave its tensor: writes are clipped to the written
 tensor's real width, reads outside the read tensor's width load 0, a tensor index outside
 the list makes the row a no-op (its columns are zero-filled), and a chain walk stops after
