@@ -75,6 +75,7 @@ import triton
 import triton.language as tl
 from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch.library import wrap_triton
+from triton.runtime.jit import JITFunction
 
 __all__ = [
     "MAX_TENSORS",
@@ -401,6 +402,15 @@ def _check_args(op, tensors, permutes, in_shapes, out_shapes, lengths, batch_siz
         )
 
 
+def _kernels() -> tuple:
+    """The two kernels as this call launches them: wrapped by wrap_triton where a trace
+    records them, as they are in eager calls and under Triton's interpreter (which
+    torch 2.11's wrap_triton refuses; nothing traces there)."""
+    if is_wrap_triton_enabled() and isinstance(_permute_kernel, JITFunction):
+        return wrap_triton(_permute_kernel), wrap_triton(_zero_unwritten_kernel)
+    return _permute_kernel, _zero_unwritten_kernel
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -440,6 +450,7 @@ def _run(
     read_chunks = [0] if backward else range(0, len(reads), MAX_TENSORS)
     rows_per_program = torch.sym_max(_ZERO_ROWS_PER_PROGRAM, triton.cdiv(batch, _MAX_GRID_Y))
     acc64 = (acc_dtype or writes[0].dtype) == torch.float64
+    permute_kernel, zero_kernel = _kernels()
     with _device_guard(device):
         for w_lo in range(0, len(writes), MAX_TENSORS):
             w = slice(w_lo, w_lo + MAX_TENSORS)
@@ -457,7 +468,7 @@ def _run(
             if n_rows > 0:
                 for r_lo in read_chunks:
                     r = slice(r_lo, r_lo + MAX_TENSORS)
-                    wrap_triton(_permute_kernel)[(n_rows * triton.cdiv(batch, block_b),)](
+                    permute_kernel[(n_rows * triton.cdiv(batch, block_b),)](
                         perm_ptr=permutes, perm_s0=permutes.stride(0),
                         perm_s1=permutes.stride(1), n_rows=n_rows, batch=batch,
                         written_ptr=written, r_lo=r_lo, w_lo=w_lo,
@@ -468,7 +479,7 @@ def _run(
                         VEC=max(1, 16 // itemsize),
                     )  # fmt: skip
             grid = (triton.cdiv(n_here, _ZERO_COLS), triton.cdiv(batch, rows_per_program))
-            wrap_triton(_zero_unwritten_kernel)[grid](
+            zero_kernel[grid](
                 written_ptr=written, batch=batch, n_cols=n_here,
                 rows_per_program=rows_per_program, **w_args,
                 BLOCK_B=_ZERO_ROWS, BLOCK_C=_ZERO_COLS,
