@@ -357,27 +357,24 @@ _AOTI_RUN = textwrap.dedent(
 )
 
 
-@cuda
-def test_cuda_aoti_package_runs_triton_in_a_fresh_process(tmp_path):
-    """torch.export + AOTInductor, dynamic batch: the package holds the Triton kernels and
-    runs where only torch and the op library are loaded, equal to eager, with at most 3
-    device launches per call and no call of a kt_regroup op."""
+def _aoti_check(model, example, inputs, expected, tmp_path):
+    """torch.export (dynamic batch) + AOTInductor of ``model``; the package run on ``inputs``
+    in a fresh process that loads only torch and the op library must give ``expected``, with
+    at most 3 device launches per call and no call of a kt_regroup op."""
     import zipfile
 
-    model = Regroup().eval()
     batch = torch.export.Dim("batch", min=1, max=65536)
     program = torch.export.export(
-        model, tuple(_inputs(8)), dynamic_shapes=({0: batch}, {0: batch})
+        model, tuple(example), dynamic_shapes=tuple({0: batch} for _ in example)
     )
     # The exported program keeps the library's op: it is portable, the compile decomposes.
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
-    assert "kt_regroup.permute_multi_embedding.default" in targets
+    assert "kt_regroup.permute_multi_embedding.default" in targets, targets
     package = tmp_path / "model.pt2"
     torch._inductor.aoti_compile_and_package(program, package_path=str(package))
     with zipfile.ZipFile(package) as z:
         assert any(b"_permute_kernel" in z.read(n) for n in z.namelist()), z.namelist()
 
-    inputs = _inputs(37)  # a batch the export never saw
     torch.save([x.cpu() for x in inputs], tmp_path / "inputs.pt")
     runner = tmp_path / "run.py"
     runner.write_text(_AOTI_RUN)
@@ -393,9 +390,33 @@ def test_cuda_aoti_package_runs_triton_in_a_fresh_process(tmp_path):
     assert report["ops"] == [], report  # no kt_regroup op ran: the kernels are in the package
     assert 1 <= len(report["device"]) <= 3, report["device"]
     got = torch.load(tmp_path / "outputs.pt")
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@cuda
+def test_cuda_aoti_package_runs_triton_in_a_fresh_process(tmp_path):
+    inputs = _inputs(37)  # a batch the export never saw
     permutes, in_shapes, out_shapes, out_lengths = _plan("cpu")  # the library's CPU kernel
     expected = torch.ops.kt_regroup.permute_multi_embedding(
         [x.cpu() for x in inputs], permutes, in_shapes, out_shapes, out_lengths
     )
-    for g, e in zip(got, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    _aoti_check(Regroup().eval(), _inputs(8), inputs, expected, tmp_path)
+
+
+@cuda
+def test_cuda_aoti_package_of_the_deploy_example_runs_triton(tmp_path):
+    """``examples/deploy.py``'s model (KeyedTensors built in forward, KTRegroupAsDict) on
+    CUDA, compared with the same model on CPU (the library's C++ kernel)."""
+    pytest.importorskip("torchrec", reason="the example model uses torchrec's KeyedTensor")
+    import importlib.util
+
+    path = os.path.join(ROOT, "examples", "deploy.py")
+    spec = importlib.util.spec_from_file_location("example_deploy", path)
+    deploy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(deploy)
+    model = deploy.OverArchInput().eval()
+    model(*[x.cuda() for x in deploy.example_inputs(2)])  # the plan, cached on CUDA
+    inputs = [x.cuda() for x in deploy.example_inputs(37)]
+    expected = list(deploy.build()(*deploy.example_inputs(37)))
+    _aoti_check(model, [x.cuda() for x in deploy.example_inputs(4)], inputs, expected, tmp_path)
