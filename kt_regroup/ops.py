@@ -10,7 +10,9 @@ TorchScript or AOTInductor model runs where only that library is loaded. This mo
    from the ``SymInt`` arguments, never from data, and they check only what the sizes
    need; the kernels check everything else when they run;
 3. on CUDA, where Triton is installed, registers the Triton kernels for the ``CUDA``
-   dispatch key (without Triton, the library's own kernels serve CUDA);
+   dispatch key (without Triton, the library's own kernels serve CUDA), and rules that
+   make ``torch.compile`` and AOTInductor compile those kernels into their code instead
+   of calling the op (``kernels/triton.py``: ``register_graph_rules``);
 4. offers typed Python wrappers.
 
 Ops (FBGEMM's schemas where FBGEMM has the op)::
@@ -190,6 +192,7 @@ if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     from kt_regroup.kernels import triton as _triton
 
     _triton.register(_LIB, "CUDA")
+    _triton.register_graph_rules(_LIB)  # torch.compile / AOTInductor embed the kernels
 
 
 # --- typed wrappers ------------------------------------------------------------------------
