@@ -368,6 +368,14 @@ struct Accumulate {
 template <> struct Accumulate<c10::Half> { using type = float; };
 template <> struct Accumulate<c10::BFloat16> { using type = float; };
 
+// One gradient block of a chain: the head's columns c in [lo, hi) read
+// grads[t][b, off + c].
+struct Link {
+  const char* ptr;
+  int64_t rs, cs, off, lo, hi;
+};
+constexpr int kMaxLinks = 16;  // longer chains walk the plan per element
+
 // The backward: chain heads sum their chain's gradient blocks (G) into input gradients (D).
 template <typename G, typename D>
 __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
@@ -389,30 +397,89 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
   D* dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + row.write_off + s.lo;
   const int64_t drs = out.row_stride[wt];
   const int64_t n = L.plan.n_rows;
-  for_tile<Acc>(
-      rows, s.hi - s.lo,
-      [&](int64_t b, int64_t j) {
-        const int64_t c = s.lo + j;
-        Acc acc = Acc(0);
-        Row cur = row;
-        for (int64_t steps = 1;; ++steps) {
-          const int64_t gt = cur.read_t;  // gradient outputs are never chunked
-          if (gt >= 0 && gt < grads.count && c < cur.length) {
-            const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
-            if (c >= rd.lo && c < rd.hi) {
-              const G g = reinterpret_cast<const G*>(grads.ptr[gt])
-                  [(b0 + b) * grads.row_stride[gt] + (cur.read_off + c) * grads.col_stride[gt]];
-              acc = static_cast<Acc>(static_cast<Compute>(acc) + static_cast<Compute>(g));
-            }
+  const auto add = [](Acc acc, const char* ptr, int64_t index) {
+    const G g = reinterpret_cast<const G*>(ptr)[index];
+    return static_cast<Acc>(static_cast<Compute>(acc) + static_cast<Compute>(g));
+  };
+  // The chain, walked once per block, in row order: the blocks that contribute.
+  __shared__ Link links[kMaxLinks];
+  __shared__ int n_links;  // -1: more than kMaxLinks
+  if (threadIdx.x == 0) {
+    int k = 0;
+    Row cur = row;
+    for (int64_t steps = 1;; ++steps) {
+      const int64_t gt = cur.read_t;  // gradient outputs are never chunked
+      if (gt >= 0 && gt < grads.count) {
+        const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
+        const int64_t lo = imax(rd.lo, s.lo), hi = imin(rd.hi, s.hi);
+        if (lo < hi) {
+          if (k == kMaxLinks) {
+            k = -1;
+            break;
           }
-          // A head's link is the next row itself; later rows hold minus the next one.
-          const int64_t next = steps == 1 ? cur.next : -cur.next;
-          if (next <= 0 || next >= n || steps >= n) break;
-          cur = load_row<true>(L.plan, next);
+          links[k++] = Link{
+              grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off, lo, hi};
         }
-        return acc;
-      },
-      [&](int64_t b, int64_t j, const Acc& v) { dst[(b0 + b) * drs + j] = static_cast<D>(v); });
+      }
+      // A head's link is the next row itself; later rows hold minus the next one.
+      const int64_t next = steps == 1 ? cur.next : -cur.next;
+      if (next <= 0 || next >= n || steps >= n) break;
+      cur = load_row<true>(L.plan, next);
+    }
+    n_links = k;
+  }
+  __syncthreads();
+  const int count = n_links;
+  const auto store = [&](int64_t b, int64_t j, const Acc& v) {
+    dst[(b0 + b) * drs + j] = static_cast<D>(v);
+  };
+  if (count == 1) {  // a key used once: one block, its bounds in registers
+    const Link l = links[0];
+    for_tile<Acc>(
+        rows, s.hi - s.lo,
+        [&](int64_t b, int64_t j) {
+          const int64_t c = s.lo + j;
+          return c >= l.lo && c < l.hi ? add(Acc(0), l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs)
+                                       : Acc(0);
+        },
+        store);
+  } else if (count >= 0) {
+    for_tile<Acc>(
+        rows, s.hi - s.lo,
+        [&](int64_t b, int64_t j) {
+          const int64_t c = s.lo + j;
+          Acc acc = Acc(0);
+          for (int k = 0; k < count; ++k) {
+            const Link& l = links[k];
+            if (c >= l.lo && c < l.hi) acc = add(acc, l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs);
+          }
+          return acc;
+        },
+        store);
+  } else {  // a long chain: walked per element
+    for_tile<Acc>(
+        rows, s.hi - s.lo,
+        [&](int64_t b, int64_t j) {
+          const int64_t c = s.lo + j;
+          Acc acc = Acc(0);
+          Row cur = row;
+          for (int64_t steps = 1;; ++steps) {
+            const int64_t gt = cur.read_t;
+            if (gt >= 0 && gt < grads.count) {
+              const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
+              if (c >= rd.lo && c < rd.hi) {
+                acc = add(acc, grads.ptr[gt],
+                          (b0 + b) * grads.row_stride[gt] + (cur.read_off + c) * grads.col_stride[gt]);
+              }
+            }
+            const int64_t next = steps == 1 ? cur.next : -cur.next;
+            if (next <= 0 || next >= n || steps >= n) break;
+            cur = load_row<true>(L.plan, next);
+          }
+          return acc;
+        },
+        store);
+  }
 }
 
 // A launch's arguments stay within the 4 KiB every CUDA version and GPU accepts.
