@@ -207,6 +207,14 @@ def check_backward() -> None:
                     assert_equal_lists(got, expected, (grad_dtype, dtype, batch, index_dtype, device))
                     for t, off, w in unused:
                         assert torch.equal(got[t][:, off : off + w], torch.zeros_like(got[t][:, off : off + w]))
+        # One key 20 times: longer than the chain a block keeps in shared memory.
+        lp, li, lo, ln = plan(index_dtype, device, [["a", "b"]], [[3, 5]], [["a"] * 12 + ["b"], ["a"] * 8])
+        for dtype in FLOATS:
+            grads = [values(70, w, dtype, seed=j) for j, w in enumerate(ln)]
+            assert_equal_lists(
+                ops().permute_multi_embedding_backward(grads, lp, li, lo, [8], 70, dtype),
+                permute_multi_embedding_backward_reference(grads, lp, li, lo, [8], 70, dtype),
+                ("long chain", dtype))
         none = ops().permute_multi_embedding_backward([None] * len(n), p, i, o, in_lengths, 3, torch.float32)
         assert_equal_lists(none, [torch.zeros(3, w, device=CUDA) for w in in_lengths], "all None")
 

@@ -114,6 +114,31 @@ def test_emulated_backward_equals_reference(emulated, seed, batch, grad_dtype, d
     _assert_equal(got, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_aligned_segments(emulated, dtype):
+    # Widths and offsets in multiples of 16 bytes: the 16-byte vector path.
+    layout = random_layout(3, widths=(8, 16, 64))
+    p, i, o, n = _plan(layout)
+    for memory in ("contiguous", "sliced"):
+        xs = [_values(9, w, dtype, memory, k) for k, w in enumerate(layout.in_widths)]
+        got = emulated.forward(xs, p, n, None)
+        _assert_equal(got, permute_multi_embedding_to_reference(xs, p, i, o, n))
+
+
+def test_emulated_long_duplicate_chain(emulated):
+    # One key 20 times (more than a block keeps in shared memory: walked per element),
+    # another 3 times.
+    keys, lengths = [["a", "b", "c"]], [[3, 5, 2]]
+    groups = [["a"] * 12 + ["b", "c"], ["a"] * 8 + ["b", "b"]]
+    p, i, o, n = _plan((keys, lengths, groups))
+    for dtype in (torch.float32, torch.bfloat16):
+        grads = [_values(6, w, dtype, "contiguous", j) for j, w in enumerate(n)]
+        _assert_equal(
+            emulated.backward(grads, p, [10], 6, dtype),
+            permute_multi_embedding_backward_reference(grads, p, i, o, [10], 6, dtype),
+        )
+
+
 def test_emulated_chunked_launches(emulated):
     # More inputs and outputs than one launch addresses: the launches are chunked.
     m = emulated.max_tensors
