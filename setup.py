@@ -13,7 +13,8 @@ loads it with ``torch.ops.load_library`` (``kt_regroup.library_path()``).
 The CUDA kernels (``kt_regroup/csrc/cuda``) are compiled when the installed torch is a
 CUDA build and ``nvcc`` (``$CUDA_HOME/bin/nvcc``) has the same CUDA major version;
 otherwise the library is CPU-only and says why. ``KT_REGROUP_CUDA=0`` forces a CPU-only
-build; ``TORCH_CUDA_ARCH_LIST`` (e.g. ``"9.0"``) picks the GPU architectures.
+build; ``TORCH_CUDA_ARCH_LIST`` (e.g. ``"9.0"``) picks the GPU architectures (default: the
+visible GPUs, else ``DEFAULT_ARCHS``).
 """
 
 import os
@@ -78,6 +79,19 @@ def cuda_build(torch_cuda: Optional[str], nvcc: Optional[str], env: str = "") ->
     return True, f"CUDA {nvcc} for torch's CUDA {torch_cuda}"
 
 
+# Built for where no GPU is visible and TORCH_CUDA_ARCH_LIST is unset (torch 2.11 then
+# finds no architecture at all): A100, H100/H200, and PTX for newer GPUs.
+DEFAULT_ARCHS = "8.0;9.0+PTX"
+
+
+def arch_list(environ, gpu_visible: bool) -> Optional[str]:
+    """The ``TORCH_CUDA_ARCH_LIST`` to set, or None to leave torch's choice (the user's
+    setting, else the visible GPUs)."""
+    if environ.get("TORCH_CUDA_ARCH_LIST") or gpu_visible:
+        return None
+    return DEFAULT_ARCHS
+
+
 def extension():
     import torch
     from torch.utils import cpp_extension
@@ -93,6 +107,10 @@ def extension():
     kind = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
     extra = {"cxx": cxx}
     if with_cuda:
+        archs = arch_list(os.environ, torch.cuda.is_available())
+        if archs:
+            print(f"kt_regroup: no GPU visible and TORCH_CUDA_ARCH_LIST unset: building for {archs}")
+            os.environ["TORCH_CUDA_ARCH_LIST"] = archs
         sources += sorted(str(p) for p in (CSRC / "cuda").glob("*.cu"))
         extra["nvcc"] = ["-O3"]
     return kind(

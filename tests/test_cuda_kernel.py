@@ -92,6 +92,12 @@ def test_setup_finds_the_toolkit_behind_a_symlinked_nvcc(tmp_path):
     assert setup_py.cuda_home({"CUDA_PATH": "/opt/cuda-path"}, None) == "/opt/cuda-path"
 
 
+def test_setup_picks_architectures_only_where_torch_would_find_none():
+    assert setup_py.arch_list({}, gpu_visible=False) == setup_py.DEFAULT_ARCHS
+    assert setup_py.arch_list({}, gpu_visible=True) is None  # torch builds for the GPUs it sees
+    assert setup_py.arch_list({"TORCH_CUDA_ARCH_LIST": "9.0"}, gpu_visible=False) is None
+
+
 def test_setup_cpu_only_extension_is_the_cpp_sources(monkeypatch):
     # What setup.py compiles where torch has no CUDA: every csrc/*.cpp, nothing of csrc/cuda.
     monkeypatch.chdir(ROOT)
