@@ -123,6 +123,11 @@ def test_emulated_aligned_segments(emulated, dtype):
         xs = [_values(9, w, dtype, memory, k) for k, w in enumerate(layout.in_widths)]
         got = emulated.forward(xs, p, n, None)
         _assert_equal(got, permute_multi_embedding_to_reference(xs, p, i, o, n))
+        grads = [_values(9, w, dtype, memory, 7 + j) for j, w in enumerate(n)]
+        _assert_equal(
+            emulated.backward(grads, p, layout.in_widths, 9, dtype),
+            permute_multi_embedding_backward_reference(grads, p, i, o, layout.in_widths, 9, dtype),
+        )
 
 
 def test_emulated_long_duplicate_chain(emulated):

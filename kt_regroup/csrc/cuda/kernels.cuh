@@ -52,6 +52,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -435,6 +436,34 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
   };
   if (count == 1) {  // a key used once: one block, its bounds in registers
     const Link l = links[0];
+    if constexpr (std::is_same_v<G, D>) {
+      // 16-byte vectors where the block covers the whole segment and is aligned.
+      constexpr int64_t kVec = 16 / sizeof(G);
+      const int64_t cols = s.hi - s.lo;
+      const char* src = l.ptr + (l.off + s.lo) * sizeof(G);
+      if (l.lo == s.lo && l.hi == s.hi && (l.cs == 1 || cols == 1) && cols % kVec == 0 &&
+          l.rs % kVec == 0 && drs % kVec == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+        const uint4* vs = reinterpret_cast<const uint4*>(src) + b0 * (l.rs / kVec);
+        uint4* vd = reinterpret_cast<uint4*>(dst) + b0 * (drs / kVec);
+        for_tile<uint4>(
+            rows, cols / kVec, [&](int64_t b, int64_t j) { return vs[b * (l.rs / kVec) + j]; },
+            [&](int64_t b, int64_t j, const uint4& v) {
+              G g[kVec];
+              memcpy(g, &v, 16);
+              D d[kVec];
+#pragma unroll
+              for (int k = 0; k < kVec; ++k) {  // 0 + g, as the accumulation computes it
+                d[k] = static_cast<D>(static_cast<Acc>(
+                    static_cast<Compute>(Acc(0)) + static_cast<Compute>(g[k])));
+              }
+              uint4 out;
+              memcpy(&out, d, 16);
+              vd[b * (drs / kVec) + j] = out;
+            });
+        return;
+      }
+    }
     for_tile<Acc>(
         rows, s.hi - s.lo,
         [&](int64_t b, int64_t j) {
