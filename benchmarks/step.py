@@ -1,0 +1,214 @@
+"""The training step: EBC -> regroup -> over-arch -> backward -> SGD step -> grads None.
+
+One ``EmbeddingBagCollection`` per input (one table per key, ``rows`` rows each, one id
+per sample and key), so its output ``KeyedTensor`` is the seed's dense or sparse input,
+a fresh non-leaf tensor; then each row's regroup, the over-arch (a linear per group and
+a mean; or, for ``+sum`` variants, ``sum(out.sum())``: stride-0 gradients), backward,
+``SGD.step`` and ``zero_grad(set_to_none=True)``. The tables are small, so the step is
+dominated by the regroup-sized tensors. ``no regroup`` feeds the EBC outputs to a linear
+each: the same FLOPs and gradient bytes with no regroup; every row's regroup share is its
+step minus that one, paired round by round.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+
+from benchmarks.harness import interleaved, make_layout, median
+
+KT = "kt_regroup.KTRegroupAsDict"
+FALLBACK = "torchrec.KTRegroupAsDict [fallback: cat]"
+FBGEMM = "torchrec.KTRegroupAsDict [fbgemm]"
+KT_REGROUP = "torchrec.KeyedTensor.regroup"
+COPY_LIMIT = "limit: copy_ into warm memory"
+NONE = "no regroup"
+ROWS = (KT, FALLBACK, FBGEMM, KT_REGROUP, COPY_LIMIT, NONE)
+SHORT_ROWS = (KT, FALLBACK, COPY_LIMIT, NONE)  # the variants after the first
+
+
+class OverArch(torch.nn.Module):
+    def __init__(self, widths: List[int], hidden: int = 8) -> None:
+        super().__init__()
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(w, hidden) for w in widths)
+
+    def forward(self, xs: List[torch.Tensor], grad: str) -> torch.Tensor:
+        if grad == "sum":
+            return torch.stack([x.sum() for x in xs]).sum()
+        return torch.stack([lin(x) for lin, x in zip(self.linears, xs)]).mean()
+
+
+class _CopyLimit(torch.autograd.Function):
+    """The regroup's bytes, unpermuted: inputs copied into warm output buffers, output
+    gradients into warm input-gradient buffers (``copy_``, no allocation)."""
+
+    @staticmethod
+    def forward(ctx, bufs, *values):
+        ctx.bufs = bufs
+        flat = bufs["out"]
+        n = min(flat.numel(), sum(v.numel() for v in values))
+        offset = 0
+        for v in values:
+            k = min(v.numel(), n - offset)
+            flat[offset:offset + k].copy_(v.detach().reshape(-1)[:k])
+            offset += k
+        return tuple(flat[o:o + bufs["batch"] * w].view(bufs["batch"], w)
+                     for o, w in zip(bufs["out_offsets"], bufs["out_widths"]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        bufs = ctx.bufs
+        flat = bufs["in"]
+        offset = 0
+        for g in grads:  # the gradient bytes, up to the input's size
+            k = min(g.numel(), flat.numel() - offset)
+            if k <= 0:
+                break
+            rows = k // g.shape[1]
+            flat[offset:offset + rows * g.shape[1]].view(rows, g.shape[1]).copy_(g[:rows])
+            offset += rows * g.shape[1]
+        return (None, *(flat[o:o + bufs["batch"] * w].view(bufs["batch"], w)
+                        for o, w in zip(bufs["in_offsets"], bufs["in_widths"])))
+
+
+def _offsets(batch: int, widths: List[int]) -> List[int]:
+    out, o = [], 0
+    for w in widths:
+        out.append(o)
+        o += batch * w
+    return out
+
+
+def _regroups(keys, lengths, groups, batch, rows: List[str]) -> Dict[str, Callable]:
+    """Each row's regroup: ``list of KeyedTensor -> list of group tensors``."""
+    from torchrec.modules.regroup import KTRegroupAsDict as TorchrecKTRegroupAsDict
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    import kt_regroup
+
+    names = [f"group_{i}" for i in range(len(groups))]
+    sample = [KeyedTensor(keys=k, length_per_key=w, values=torch.zeros(1, sum(w)))
+              for k, w in zip(keys, lengths)]
+    fallback = TorchrecKTRegroupAsDict(groups, names)
+    fallback._init_regroup(sample)  # its cat path: torchrec takes it where key_dim != 1
+    fallback._is_inited = True
+    modules = {KT: kt_regroup.KTRegroupAsDict(groups, names), FALLBACK: fallback,
+               FBGEMM: TorchrecKTRegroupAsDict(groups, names)}
+    out: Dict[str, Callable] = {}
+    for row in rows:
+        if row in modules:
+            out[row] = lambda kts, m=modules[row]: list(m(kts).values())
+        elif row == KT_REGROUP:
+            out[row] = lambda kts: KeyedTensor.regroup(kts, groups)
+        elif row == COPY_LIMIT:
+            plan = kt_regroup.get_plan(keys, lengths, groups)
+            in_w, out_w = list(plan.in_lengths), list(plan.out_lengths)
+            bufs = {"batch": batch, "out": torch.zeros(batch * sum(out_w)),
+                    "in": torch.zeros(batch * sum(in_w)), "out_widths": out_w,
+                    "in_widths": in_w, "out_offsets": _offsets(batch, out_w),
+                    "in_offsets": _offsets(batch, in_w)}
+            out[row] = lambda kts, b=bufs: list(_CopyLimit.apply(b, *[kt.values() for kt in kts]))
+        elif row == NONE:
+            out[row] = lambda kts: [kt.values() for kt in kts]
+    return out
+
+
+def _check(regroups, keys, lengths, batch, over, grad) -> Dict[str, str]:
+    """Outputs bit-exact and input gradients to rounding, against the fallback row."""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(batch, sum(w), generator=gen) for w in lengths]
+    results = {}
+    for row in (FALLBACK, *[r for r in regroups if r not in (FALLBACK, COPY_LIMIT, NONE)]):
+        leaves = [v.clone().requires_grad_() for v in values]
+        outs = regroups[row]([KeyedTensor(keys=k, length_per_key=w, values=v)
+                              for k, w, v in zip(keys, lengths, leaves)])
+        over(outs, grad).backward()
+        got = ([o.detach() for o in outs], [v.grad for v in leaves])
+        if row == FALLBACK:
+            ref = got
+            results[row] = "ok (reference)"
+            continue
+        try:
+            assert len(got[0]) == len(ref[0])
+            for a, b in zip(got[0], ref[0]):
+                assert torch.equal(a, b), "outputs differ"
+            for a, b in zip(got[1], ref[1]):
+                torch.testing.assert_close(a, b)
+            results[row] = "ok"
+        except AssertionError as e:
+            results[row] = f"mismatch: {str(e).splitlines()[0][:120]}"
+        del got, outs, leaves
+    for row in (COPY_LIMIT, NONE):
+        if row in regroups:
+            results[row] = "not checked (not a regroup)"
+    over.zero_grad(set_to_none=True)
+    return results
+
+
+def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: int,
+                rows: List[str], fbgemm_steps: int, table_rows: int, seed: int) -> List[dict]:
+    """Records of one variant, ``LAYOUT[+dup][+sum]`` (e.g. ``scattered+dup``)."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+    layout, *flags = variant.split("+")
+    grad = "sum" if "sum" in flags else "linear"
+    keys, lengths, groups = make_layout(**sizes, scattered=layout == "scattered",
+                                        duplicates="dup" in flags, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    ebcs, kjts = [], []
+    for ks, ws in zip(keys, lengths):
+        ebcs.append(EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=f"t_{k}", embedding_dim=w, num_embeddings=table_rows,
+                               feature_names=[k]) for k, w in zip(ks, ws)]))
+        kjts.append(KeyedJaggedTensor.from_lengths_sync(
+            keys=ks, values=torch.randint(table_rows, (len(ks) * batch,), generator=gen),
+            lengths=torch.ones(len(ks) * batch, dtype=torch.int64)))
+    if fbgemm_steps <= 0:
+        rows = [r for r in rows if r != FBGEMM]
+    regroups = _regroups(keys, lengths, groups, batch, rows)
+    import kt_regroup
+
+    plan = kt_regroup.get_plan(keys, lengths, groups)
+    over = OverArch(list(plan.out_lengths))
+    over_none = OverArch(list(plan.in_lengths))
+    params = [p for m in (*ebcs, over, over_none) for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=1e-3)
+    checks = _check(regroups, keys, lengths, min(batch, 64), over, grad)
+
+    def make_step(regroup, head):
+        def step():
+            kts = [ebc(kjt) for ebc, kjt in zip(ebcs, kjts)]
+            head(regroup(kts), grad).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    steps = {r: make_step(regroups[r], over_none if r == NONE else over) for r in regroups}
+    samples = interleaved(steps, rounds, warmup=warmup, max_rounds={FBGEMM: fbgemm_steps})
+    base = samples.get(NONE, [])
+    common = {"variant": variant, "layout": layout, "duplicates": "dup" in flags,
+              "grad": grad, "batch_size": batch, "segments": len(plan.rows),
+              "out_bytes": 4 * batch * sum(plan.out_lengths)}
+    records = []
+    for row, ts in samples.items():
+        shares = [t - b for t, b in zip(ts, base)] if row != NONE else []
+        records.append({**common, "provider": row, "samples_s": ts, "n": len(ts),
+                        "step_s": median(ts), "share_samples_s": shares,
+                        "share_s": median(shares) if row != NONE else 0.0,
+                        "check": checks[row]})
+    return records
+
+
+def add_ratios(records: List[dict]) -> None:
+    """Regroup share of each row over the fallback's and over the copy limit's."""
+    for r in records:
+        same = {q["provider"]: q for q in records
+                if (q["variant"], q.get("allocator"), q.get("env")) ==
+                (r["variant"], r.get("allocator"), r.get("env"))}
+        for field, ref in (("share_vs_fallback", FALLBACK), ("share_vs_copy_limit", COPY_LIMIT)):
+            base = same.get(ref, {}).get("share_s")
+            r[field] = (r["share_s"] / base if base and base > 0 and r["provider"] != NONE
+                        and r["share_s"] is not None else None)
