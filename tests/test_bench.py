@@ -69,7 +69,9 @@ def test_step_rows_under_each_allocator(quick):
             rows = {r["provider"]: r for r in mine if r["variant"] == variant}
             assert set(rows) == (set(step.ROWS) - ({step.FBGEMM} if not first else set())
                                  if i == 0 else set(step.SHORT_ROWS))
-            assert rows[step.FALLBACK]["share_vs_fallback"] == pytest.approx(1.0)
+            fallback = rows[step.FALLBACK]  # a ratio needs a positive share (noise: not)
+            assert fallback["share_vs_fallback"] == (pytest.approx(1.0) if fallback["share_s"]
+                                                     > 0 else None)
             assert rows[step.NONE]["share_s"] == 0.0
             for r in rows.values():
                 assert r["n"] == len(r["samples_s"]) >= 1 and r["step_s"] > 0
