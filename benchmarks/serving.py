@@ -56,8 +56,18 @@ def _models(keys, lengths, groups) -> Dict[str, torch.nn.Module]:
 
 
 def _inputs(lengths, batch: int) -> List[torch.Tensor]:
-    return [(torch.arange(batch * sum(w), dtype=torch.float32) % 17 - 8).reshape(batch, sum(w))
-            for w in lengths]
+    return _formula([(batch, sum(w)) for w in lengths])
+
+
+def _formula(shapes) -> List[torch.Tensor]:
+    """The predictor's inputs: element i = i % 17 - 8 (exact in any copy)."""
+    return [(torch.arange(b * w, dtype=torch.float32) % 17 - 8).reshape(b, w) for b, w in shapes]
+
+
+def _checksums(outputs) -> List[int]:
+    """What the predictor prints per output: sum of values weighted by i % 101 + 1."""
+    return [int((o.double().flatten() * (torch.arange(o.numel(), dtype=torch.float64) % 101 + 1))
+                .sum().item()) for o in outputs]
 
 
 def _scripted(model: torch.nn.Module, path: str) -> torch.jit.ScriptModule:
@@ -94,13 +104,16 @@ def _predictor(out_dir: str):
     return exe, None
 
 
-def _cpp_call_s(exe: str, model: str, lib: str, shapes: List[str], calls: int) -> float:
+def _cpp_call_s(exe: str, model: str, lib: str, shapes: List[str], calls: int):
+    """Seconds per call in the predictor, and the output checksums it printed."""
     out = subprocess.run([exe, model, lib, *shapes, "--calls", str(calls)], capture_output=True,
                          text=True, timeout=600)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("per call:")]
-    if out.returncode != 0 or not line:
+    lines = out.stdout.splitlines()
+    per_call = [ln for ln in lines if ln.startswith("per call:")]
+    if out.returncode != 0 or not per_call:
         raise RuntimeError((out.stderr or out.stdout).strip().splitlines()[-1][:200])
-    return float(line[0].split()[2]) * 1e-6
+    sums = [int(ln.split()[-1]) for ln in lines if ln.startswith("output ")]
+    return float(per_call[0].split()[2]) * 1e-6, sums
 
 
 def _check(fn, want) -> str:
@@ -174,16 +187,19 @@ def _time_form(form, batch, fns, errors, want, rounds, target, exe) -> List[dict
         if form == "c++ scripted":
             lib = kt_regroup.library_path()
             for name, (model, shapes) in fns.items():
-                checks[name] = "not checked (C++)"
+                # the clone model gets the predictor's own inputs, of the outputs' shapes
+                expect = _checksums(_formula([tuple(t.shape) for t in want]) if name == CLONE
+                                    else want)
                 try:
-                    one = _cpp_call_s(exe, model, lib, shapes, 10)
+                    one, sums = _cpp_call_s(exe, model, lib, shapes, 10)
                     calls[name] = max(10, int(target / max(one, 1e-7)))
+                    checks[name] = "ok" if sums == expect else f"mismatch: {sums} != {expect}"
                 except RuntimeError as e:
                     errors[name] = str(e)
             samples = {n: [] for n in calls}
             for _ in range(rounds):  # interleaved: one process per sample
                 for name in calls:
-                    samples[name].append(_cpp_call_s(exe, *fns[name], lib, calls[name]))
+                    samples[name].append(_cpp_call_s(exe, *fns[name], lib, calls[name])[0])
         else:
             for name, fn in fns.items():
                 checks[name] = _check(fn, want)
