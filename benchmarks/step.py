@@ -40,43 +40,28 @@ class OverArch(torch.nn.Module):
 
 
 class _CopyLimit(torch.autograd.Function):
-    """The regroup's bytes, unpermuted: inputs copied into warm output buffers, output
-    gradients into warm input-gradient buffers (``copy_``, no allocation)."""
+    """The regroup's bytes, unpermuted: inputs ``copy_``-ed into a warm buffer viewed as
+    the outputs, output gradients into one viewed as the input gradients."""
 
     @staticmethod
     def forward(ctx, bufs, *values):
         ctx.bufs = bufs
-        flat = bufs["out"]
-        n = min(flat.numel(), sum(v.numel() for v in values))
-        offset = 0
-        for v in values:
-            k = min(v.numel(), n - offset)
-            flat[offset:offset + k].copy_(v.detach().reshape(-1)[:k])
-            offset += k
-        return tuple(flat[o:o + bufs["batch"] * w].view(bufs["batch"], w)
-                     for o, w in zip(bufs["out_offsets"], bufs["out_widths"]))
+        for view, v in zip(_views(bufs["out"], [v.shape for v in values]), values):
+            view.copy_(v.detach())
+        return tuple(_views(bufs["out"], bufs["out_shapes"]))
 
     @staticmethod
     def backward(ctx, *grads):
-        bufs = ctx.bufs
-        flat = bufs["in"]
-        offset = 0
-        for g in grads:  # the gradient bytes, up to the input's size
-            k = min(g.numel(), flat.numel() - offset)
-            if k <= 0:
-                break
-            rows = k // g.shape[1]
-            flat[offset:offset + rows * g.shape[1]].view(rows, g.shape[1]).copy_(g[:rows])
-            offset += rows * g.shape[1]
-        return (None, *(flat[o:o + bufs["batch"] * w].view(bufs["batch"], w)
-                        for o, w in zip(bufs["in_offsets"], bufs["in_widths"])))
+        for view, g in zip(_views(ctx.bufs["in"], [g.shape for g in grads]), grads):
+            view.copy_(g)
+        return (None, *_views(ctx.bufs["in"], ctx.bufs["in_shapes"]))
 
 
-def _offsets(batch: int, widths: List[int]) -> List[int]:
+def _views(flat: torch.Tensor, shapes) -> List[torch.Tensor]:
     out, o = [], 0
-    for w in widths:
-        out.append(o)
-        o += batch * w
+    for b, w in shapes:
+        out.append(flat[o:o + b * w].view(b, w))
+        o += b * w
     return out
 
 
@@ -103,11 +88,10 @@ def _regroups(keys, lengths, groups, batch, rows: List[str]) -> Dict[str, Callab
             out[row] = lambda kts: KeyedTensor.regroup(kts, groups)
         elif row == COPY_LIMIT:
             plan = kt_regroup.get_plan(keys, lengths, groups)
-            in_w, out_w = list(plan.in_lengths), list(plan.out_lengths)
-            bufs = {"batch": batch, "out": torch.zeros(batch * sum(out_w)),
-                    "in": torch.zeros(batch * sum(in_w)), "out_widths": out_w,
-                    "in_widths": in_w, "out_offsets": _offsets(batch, out_w),
-                    "in_offsets": _offsets(batch, in_w)}
+            size = batch * max(sum(plan.in_lengths), sum(plan.out_lengths))
+            bufs = {"out": torch.zeros(size), "in": torch.zeros(size),  # warm: touched here
+                    "out_shapes": [(batch, w) for w in plan.out_lengths],
+                    "in_shapes": [(batch, w) for w in plan.in_lengths]}
             out[row] = lambda kts, b=bufs: list(_CopyLimit.apply(b, *[kt.values() for kt in kts]))
         elif row == NONE:
             out[row] = lambda kts: [kt.values() for kt in kts]
@@ -168,7 +152,7 @@ def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: i
             lengths=torch.ones(len(ks) * batch, dtype=torch.int64)))
     if fbgemm_steps <= 0:
         rows = [r for r in rows if r != FBGEMM]
-    regroups = _regroups(keys, lengths, groups, batch, rows)
+    regroups = _regroups(keys, lengths, groups, batch, [FALLBACK, *rows])  # the reference
     import kt_regroup
 
     plan = kt_regroup.get_plan(keys, lengths, groups)
@@ -186,7 +170,7 @@ def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: i
             opt.zero_grad(set_to_none=True)
         return step
 
-    steps = {r: make_step(regroups[r], over_none if r == NONE else over) for r in regroups}
+    steps = {r: make_step(regroups[r], over_none if r == NONE else over) for r in rows}
     samples = interleaved(steps, rounds, warmup=warmup, max_rounds={FBGEMM: fbgemm_steps})
     base = samples.get(NONE, [])
     common = {"variant": variant, "layout": layout, "duplicates": "dup" in flags,
