@@ -57,5 +57,13 @@ def interleaved(fns: Dict[str, Callable[[], object]], rounds: int, *,
     return samples
 
 
+def segments(plan) -> int:
+    """Contiguous copies a ``RegroupPlan`` makes per batch row: its rows (one per group
+    entry) less those that continue the previous one in both input and output."""
+    rows = [r for r in plan.rows if r[4] > 0]
+    return sum(1 for p, r in zip([None, *rows], rows) if p is None or (r[0], r[1], r[2], r[3])
+               != (p[0], p[1], p[2] + p[4], p[3] + p[4]))
+
+
 def median(xs: Sequence[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from benchmarks.harness import QUICK, SEED, interleaved, make_layout, median
+from benchmarks.harness import QUICK, SEED, interleaved, make_layout, median, segments
 
 KT = "kt_regroup.KTRegroupAsDict"
 FBGEMM = "torchrec.KTRegroupAsDict [fbgemm]"
@@ -29,7 +29,7 @@ def _providers(keys, lengths, groups, kts, expected, backward) -> Dict[str, Call
 
     names = [f"group_{i}" for i in range(len(groups))]
     plan = kt_regroup.get_plan(keys, lengths, groups)
-    tensors, out_lengths = plan.tensors(), list(plan.out_lengths)
+    tensors, out_lengths = plan.tensors(expected[0].device), list(plan.out_lengths)
     values = [kt.values() for kt in kts]
     module, peer = kt_regroup.KTRegroupAsDict(groups, names), TorchrecKTRegroupAsDict(groups, names)
     op = torch.ops.kt_regroup
@@ -41,7 +41,7 @@ def _providers(keys, lengths, groups, kts, expected, backward) -> Dict[str, Call
         "torchrec.KeyedTensor.regroup": lambda: KeyedTensor.regroup(kts, groups),
         FBGEMM: lambda: list(peer(kts).values()),
     }
-    if not backward:
+    if not backward:  # its outputs are touched here, before any timing
         warm = [torch.zeros_like(e) for e in expected]
         detached = [v.detach() for v in values]
         fns["kt_regroup.permute_multi_embedding_into (warm outputs)"] = lambda: (
@@ -53,18 +53,21 @@ def _providers(keys, lengths, groups, kts, expected, backward) -> Dict[str, Call
     return fns
 
 
-def run(*, quick: bool, seed: int = 0) -> Dict[str, object]:
+def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scattered"
+        ) -> Dict[str, object]:
     from torchrec.sparse.jagged_tensor import KeyedTensor, _regroup_keyed_tensors
 
     import kt_regroup
 
     sizes, batch, rounds = (QUICK, 64, 2) if quick else (SEED, 1024, 7)
+    cuda = torch.device(device).type == "cuda"
     records = []
     for dup in (False, True):
-        keys, lengths, groups = make_layout(**sizes, scattered=True, duplicates=dup, seed=seed)
-        segments = len(kt_regroup.get_plan(keys, lengths, groups).rows)
+        keys, lengths, groups = make_layout(**sizes, scattered=layout == "scattered",
+                                            duplicates=dup, seed=seed)
+        n_segments = segments(kt_regroup.get_plan(keys, lengths, groups))
         gen = torch.Generator().manual_seed(seed)
-        base = [torch.randn(batch, sum(w), generator=gen) for w in lengths]
+        base = [torch.randn(batch, sum(w), generator=gen).to(device) for w in lengths]
         for mode in MODES:
             backward = mode != "forward"
             values = [v.clone().requires_grad_(backward) for v in base]
@@ -72,28 +75,43 @@ def run(*, quick: bool, seed: int = 0) -> Dict[str, object]:
                    for k, w, v in zip(keys, lengths, values)]
             with torch.no_grad():
                 expected = [t.contiguous() for t in _regroup_keyed_tensors(kts, groups)]
-            ones = [torch.ones(()).expand(e.shape) if mode.endswith("expanded")
-                    else torch.ones(e.shape) for e in expected]
+            expanded = mode.endswith("expanded")
+            ones = [torch.ones((), device=device).expand(e.shape) if expanded
+                    else torch.ones(e.shape, device=device) for e in expected]
             want_grads = (torch.autograd.grad(_regroup_keyed_tensors(kts, groups), values, ones)
                           if backward else None)
             fns = _providers(keys, lengths, groups, kts, expected, backward)
-
             calls = {n: _with_backward(f, values, ones if backward and not n.startswith(
                 "limit") else None) for n, f in fns.items()}
-            checks = {n: _check(c(), expected, want_grads) for n, c in calls.items()}
-            samples = interleaved(calls, rounds, warmup=0, max_rounds={FBGEMM: 1})
+            checks, peaks = {}, {}
+            for n, c in calls.items():  # the checked first call; on CUDA its peak memory
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                checks[n] = _check(c(), expected, want_grads)
+                peaks[n] = torch.cuda.max_memory_allocated() - before if cuda else None
+            samples = interleaved(calls, rounds, warmup=0,
+                                  max_rounds=None if cuda else {FBGEMM: 1})
             meds = {n: median(ts) for n, ts in samples.items()}
+            out_bytes = sum(e.numel() * e.element_size() for e in expected)
+            # bytes a regroup must move: outputs written and read; in forward+backward also
+            # the upstream gradient read (one element when expanded), the input's written
+            moved = 2 * out_bytes + (((0 if expanded else out_bytes) + sum(
+                v.numel() * v.element_size() for v in values)) if backward else 0)
             for n, ts in samples.items():
                 q = torch.tensor(ts, dtype=torch.float64).quantile(
                     torch.tensor([0.5, 0.9], dtype=torch.float64)).tolist()
                 records.append({
-                    "mode": mode, "layout": "scattered", "duplicates": dup, "batch_size": batch,
-                    "segments": segments, "provider": n, "samples_s": ts, "n": len(ts),
-                    "p50_s": q[0], "p90_s": q[1], "vs_copy": meds[n] / meds[COPY],
+                    "mode": mode, "layout": layout, "duplicates": dup, "batch_size": batch,
+                    "device": str(device), "segments": n_segments, "provider": n,
+                    "samples_s": ts, "n": len(ts), "p50_s": q[0], "p90_s": q[1],
+                    "bytes_moved": moved, "gbps": moved / q[0] / 1e9,
+                    "mem_peak_bytes": peaks[n], "vs_copy": meds[n] / meds[COPY],
                     "vs_kt_regroup": meds[n] / meds[KT], "check": checks[n]})
             del fns, calls, kts
-    return {"records": records, "notes": ["the FBGEMM row (seconds a call on CPU) is timed "
-                                          "by one call after its checked first call"]}
+    return {"records": records, "notes": [] if cuda else [
+        "the FBGEMM row (seconds a call on CPU) is timed by one call after its checked one"]}
 
 
 def _with_backward(forward: Callable, values, grads) -> Callable:

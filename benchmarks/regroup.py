@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="bench_results", help="directory of results.json, "
                    "results.md and step.png (default bench_results)")
     p.add_argument("--seed", type=int, default=0, help="seed of the key-to-group draw")
+    p.add_argument("--device", default="cpu", help="device of the ops section (cuda: the "
+                   "op table on a GPU; the other sections run on CPU)")
+    p.add_argument("--ops-layout", choices=["scattered", "seed"], default="scattered",
+                   help="layout of the ops section (default scattered)")
     s = p.add_argument_group("step section")
     s.add_argument("--batch-size", type=int, default=None, help="default 1024 (quick 64)")
     s.add_argument("--variants", type=_csv, default=None,
@@ -191,7 +195,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "ops" in args.section:
         from benchmarks import ops
 
-        results["sections"]["ops"] = ops.run(quick=args.quick, seed=args.seed)
+        results["sections"]["ops"] = ops.run(quick=args.quick, seed=args.seed,
+                                             device=args.device, layout=args.ops_layout)
     results["wall_s"] = time.perf_counter() - t0
     results["machine"]["load_average_end"] = os.getloadavg()[0]
     text = report.markdown(results)

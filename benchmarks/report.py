@@ -35,9 +35,10 @@ TABLES: Dict[str, Tuple[Callable[[dict], str], Columns]] = {
                  ("/ clone", lambda r: _x(r["vs_clone"])), ("calls x n", lambda r: r["calls"]),
                  ("check", lambda r: r["check"])]),
     "ops": (lambda r: f"op alone, {r['mode']}, {r['layout']}{'+dup' if r['duplicates'] else ''}"
-            f" ({r['segments']} segments), B={r['batch_size']}",
+            f" ({r['segments']} segments), B={r['batch_size']}, {r['device']}",
             [("provider", lambda r: r["provider"]), ("P50 ms", lambda r: _ms(r["p50_s"])),
-             ("P90 ms", lambda r: _ms(r["p90_s"])), ("/ copy_", lambda r: _x(r["vs_copy"])),
+             ("P90 ms", lambda r: _ms(r["p90_s"])), ("GB/s", lambda r: f"{r['gbps']:.1f}"),
+             ("/ copy_", lambda r: _x(r["vs_copy"])),
              ("/ kt_regroup", lambda r: _x(r["vs_kt_regroup"])), ("n", lambda r: str(r["n"])),
              ("check", lambda r: r["check"])]),
 }

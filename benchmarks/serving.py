@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from benchmarks.harness import SERVING, interleaved, make_layout, median
+from benchmarks.harness import SERVING, interleaved, make_layout, median, segments
 
 KT, TORCHREC, CLONE = "kt_regroup", "torchrec.KTRegroupAsDict [fbgemm]", "clone of the outputs"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,7 +175,7 @@ def run(*, quick: bool, out_dir: str) -> Dict[str, object]:
             records += _time_form(form, batch, fns, dict(errors[form]), want, rounds, target,
                                   exe)
     for r in records:
-        r.update(keys=sum(len(k) for k in keys), segments=len(plan.rows))
+        r.update(keys=sum(len(k) for k in keys), segments=segments(plan))
     return {"records": records, "notes": notes}
 
 
@@ -185,13 +185,17 @@ def _time_form(form, batch, fns, errors, want, rounds, target, exe) -> List[dict
     checks, samples, calls = {}, {}, {}
     with torch.inference_mode():
         if form == "c++ scripted":
-            lib = kt_regroup.library_path()
+            import fbgemm_gpu
+
+            # the op library each model needs, loaded by the predictor (no Python there)
+            libs = {n: kt_regroup.library_path() for n in fns}
+            libs[TORCHREC] = os.path.join(os.path.dirname(fbgemm_gpu.__file__), "fbgemm_gpu_py.so")
             for name, (model, shapes) in fns.items():
                 # the clone model gets the predictor's own inputs, of the outputs' shapes
                 expect = _checksums(_formula([tuple(t.shape) for t in want]) if name == CLONE
                                     else want)
                 try:
-                    one, sums = _cpp_call_s(exe, model, lib, shapes, 10)
+                    one, sums = _cpp_call_s(exe, model, libs[name], shapes, 10)
                     calls[name] = max(10, int(target / max(one, 1e-7)))
                     checks[name] = "ok" if sums == expect else f"mismatch: {sums} != {expect}"
                 except RuntimeError as e:
@@ -199,7 +203,9 @@ def _time_form(form, batch, fns, errors, want, rounds, target, exe) -> List[dict
             samples = {n: [] for n in calls}
             for _ in range(rounds):  # interleaved: one process per sample
                 for name in calls:
-                    samples[name].append(_cpp_call_s(exe, *fns[name], lib, calls[name])[0])
+                    model, shapes = fns[name]
+                    samples[name].append(_cpp_call_s(exe, model, libs[name], shapes,
+                                                     calls[name])[0])
         else:
             for name, fn in fns.items():
                 checks[name] = _check(fn, want)

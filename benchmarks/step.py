@@ -16,7 +16,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from benchmarks.harness import interleaved, make_layout, median
+from benchmarks.harness import interleaved, make_layout, median, segments
 
 KT = "kt_regroup.KTRegroupAsDict"
 FALLBACK = "torchrec.KTRegroupAsDict [fallback: cat]"
@@ -174,7 +174,7 @@ def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: i
     samples = interleaved(steps, rounds, warmup=warmup, max_rounds={FBGEMM: fbgemm_steps})
     base = samples.get(NONE, [])
     common = {"variant": variant, "layout": layout, "duplicates": "dup" in flags,
-              "grad": grad, "batch_size": batch, "segments": len(plan.rows),
+              "grad": grad, "batch_size": batch, "segments": segments(plan),
               "out_bytes": 4 * batch * sum(plan.out_lengths)}
     records = []
     for row, ts in samples.items():
