@@ -33,10 +33,35 @@ def _csv(text: str) -> List[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _csv_of(allowed):
+    def parse(text: str) -> List[str]:
+        bad = [x for x in _csv(text) if x not in allowed]
+        if bad or not _csv(text):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of "
+                                             f"{', '.join(allowed)}")
+        return _csv(text)
+    return parse
+
+
+def _variants(text: str) -> List[str]:
+    for v in _csv(text):
+        layout, *flags = v.split("+")
+        if layout not in ("scattered", "seed") or not set(flags) <= {"dup", "sum"}:
+            raise argparse.ArgumentTypeError(f"{v!r}: expected LAYOUT[+dup][+sum], LAYOUT one "
+                                             "of scattered, seed")
+    return _csv(text)
+
+
+def _env_var(text: str) -> str:
+    if "=" not in text or not text.split("=", 1)[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.regroup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--section", type=_csv, default=list(SECTIONS),
+    p.add_argument("--section", type=_csv_of(SECTIONS), default=list(SECTIONS),
                    help="comma-separated, of: step, serving, ops (default: all)")
     p.add_argument("--quick", action="store_true",
                    help="small sizes and few samples: the smoke run of make test")
@@ -49,14 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layout of the ops section (default scattered)")
     s = p.add_argument_group("step section")
     s.add_argument("--batch-size", type=int, default=None, help="default 1024 (quick 64)")
-    s.add_argument("--variants", type=_csv, default=None,
+    s.add_argument("--variants", type=_variants, default=None,
                    help="LAYOUT[+dup][+sum], comma-separated; LAYOUT = scattered (keys in "
                    "random order in each group) or seed (input order); +dup: one duplicate "
                    "key per group; +sum: loss = sum(out.sum()) (stride-0 gradients) instead "
                    "of the linear over-arch (default: scattered,seed,scattered+dup,"
                    "scattered+sum; quick: scattered,scattered+dup+sum); under the first "
                    "allocator: the others run --variants-other")
-    s.add_argument("--variants-other", type=_csv, default=None,
+    s.add_argument("--variants-other", type=lambda t: ["all"] if t == "all" else _variants(t), default=None,
                    help="the variants of the allocators after the first (default: the first "
                    "of --variants; 'all': every one of them)")
     s.add_argument("--rows", type=_csv, default=None, help="step rows to run (substrings "
@@ -69,10 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads in the step children (default: torch's)")
     s.add_argument("--table-rows", type=int, default=16, help="rows of each embedding table")
-    s.add_argument("--allocators", type=_csv, default=list(ALLOCATORS),
+    s.add_argument("--allocators", type=_csv_of(ALLOCATORS), default=list(ALLOCATORS),
                    help="glibc, jemalloc, tcmalloc (LD_PRELOAD): one child process each "
                    "(default all; a missing library is reported and skipped)")
     s.add_argument("--child-env", action="append", default=[], metavar="NAME=VALUE",
+                   type=_env_var,
                    help="extra environment of the step's child processes, e.g. "
                    "KT_REGROUP_HUGE_PAGES=0 (repeatable)")
     s.add_argument("--_child", choices=["first", "other"], help=argparse.SUPPRESS)
@@ -120,6 +146,7 @@ def _step_child(args) -> List[dict]:
     fbgemm = args.fbgemm_steps if args.fbgemm_steps is not None else (1 if args.quick else 3)
     records = []
     for i, variant in enumerate(variants):  # the first variant: every row; then SHORT_ROWS
+        print(f"[bench] step {variant}", file=sys.stderr, flush=True)
         records += step.run_variant(
             variant, sizes=sizes, batch=args.batch_size or (64 if args.quick else 1024),
             rounds=args.steps or (2 if args.quick else 7), warmup=1,
@@ -138,8 +165,6 @@ def run_step_section(args, argv: List[str], out_dir: str) -> Dict[str, object]:
     records, notes = [], []
     extra = dict(kv.split("=", 1) for kv in args.child_env)
     for i, name in enumerate(args.allocators):
-        if name not in ALLOCATORS:
-            raise SystemExit(f"--allocators: unknown {name!r}; choose from {list(ALLOCATORS)}")
         lib, lib_env = ALLOCATORS[name]
         env = {**os.environ, **extra}
         if lib:
@@ -173,9 +198,6 @@ def run_step_section(args, argv: List[str], out_dir: str) -> Dict[str, object]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    bad = [s for s in args.section if s not in SECTIONS]
-    if bad:
-        raise SystemExit(f"--section: unknown {bad}; choose from {list(SECTIONS)}")
     if args._child:  # one step section, its records to --output (a file)
         with open(args.output, "w") as f:
             json.dump(_step_child(args), f)
