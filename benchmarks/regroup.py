@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "of the linear over-arch (default: scattered,seed,scattered+dup,"
                    "scattered+sum; quick: scattered,scattered+dup+sum); under the first "
                    "allocator: the others run --variants-other")
-    s.add_argument("--variants-other", type=lambda t: ["all"] if t == "all" else _variants(t), default=None,
+    s.add_argument("--variants-other", default=None,
+                   type=lambda t: ["all"] if t == "all" else _variants(t),
                    help="the variants of the allocators after the first (default: the first "
                    "of --variants; 'all': every one of them)")
     s.add_argument("--rows", type=_csv, default=None, help="step rows to run (substrings "
