@@ -104,7 +104,8 @@ def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scatt
                     torch.tensor([0.5, 0.9], dtype=torch.float64)).tolist()
                 records.append({
                     "mode": mode, "layout": layout, "duplicates": dup, "batch_size": batch,
-                    "device": str(device), "segments": n_segments, "provider": n,
+                    "device": str(device), "threads": torch.get_num_threads(),
+                    "segments": n_segments, "provider": n,
                     "samples_s": ts, "n": len(ts), "p50_s": q[0], "p90_s": q[1],
                     "bytes_moved": moved, "gbps": moved / q[0] / 1e9,
                     "mem_peak_bytes": peaks[n], "vs_copy": meds[n] / meds[COPY],

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="bench_results", help="directory of results.json, "
                    "results.md and step.png (default bench_results)")
     p.add_argument("--seed", type=int, default=0, help="seed of the key-to-group draw")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for every section, the step's children and "
+                   "the C++ predictor (OMP_NUM_THREADS) included (default: torch's)")
     p.add_argument("--device", default="cpu", help="device of the ops section (cuda: the "
                    "op table on a GPU; the other sections run on CPU)")
     p.add_argument("--ops-layout", choices=["scattered", "seed"], default="scattered",
@@ -92,8 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fbgemm-steps", type=int, default=None,
                    help="timed steps of the FBGEMM row, seconds each on CPU, in the first "
                    "variant under the first allocator only (default 3; quick 1; 0 = none)")
-    s.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads in the step children (default: torch's)")
     s.add_argument("--table-rows", type=int, default=16, help="rows of each embedding table")
     s.add_argument("--allocators", type=_csv_of(ALLOCATORS), default=list(ALLOCATORS),
                    help="glibc, jemalloc, tcmalloc (LD_PRELOAD): one child process each "
@@ -141,8 +142,6 @@ def _step_child(args) -> List[dict]:
     if args._child != "first":  # allocators after the first
         other = args.variants_other or variants[:1]
         variants = variants if other == ["all"] else other
-    if args.threads:
-        torch.set_num_threads(args.threads)
     rows = [r for r in step.ROWS if not args.rows or any(s in r for s in args.rows)]
     fbgemm = args.fbgemm_steps if args.fbgemm_steps is not None else (1 if args.quick else 3)
     records = []
@@ -199,6 +198,8 @@ def run_step_section(args, argv: List[str], out_dir: str) -> Dict[str, object]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args._child:  # one step section, its records to --output (a file)
         with open(args.output, "w") as f:
             json.dump(_step_child(args), f)

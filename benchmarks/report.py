@@ -30,12 +30,13 @@ TABLES: Dict[str, Tuple[Callable[[dict], str], Columns]] = {
               ("share / copy limit", lambda r: _x(r["share_vs_copy_limit"])),
               ("n", lambda r: str(r["n"])), ("check", lambda r: r["check"])]),
     "serving": (lambda r: f"serving, {r['form']}, B={r['batch_size']} "
-                f"({r['keys']} keys, {r['segments']} segments)",
+                f"({r['keys']} keys, {r['segments']} segments), {r['threads']} threads",
                 [("row", lambda r: r["provider"]), ("per call us", lambda r: _us(r["call_s"])),
                  ("/ clone", lambda r: _x(r["vs_clone"])), ("calls x n", lambda r: r["calls"]),
                  ("check", lambda r: r["check"])]),
     "ops": (lambda r: f"op alone, {r['mode']}, {r['layout']}{'+dup' if r['duplicates'] else ''}"
-            f" ({r['segments']} segments), B={r['batch_size']}, {r['device']}",
+            f" ({r['segments']} segments), B={r['batch_size']}, {r['device']}, "
+            f"{r['threads']} threads",
             [("provider", lambda r: r["provider"]), ("P50 ms", lambda r: _ms(r["p50_s"])),
              ("P90 ms", lambda r: _ms(r["p90_s"])), ("GB/s", lambda r: f"{r['gbps']:.1f}"),
              ("/ copy_", lambda r: _x(r["vs_copy"])),

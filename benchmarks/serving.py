@@ -107,7 +107,8 @@ def _predictor(out_dir: str):
 def _cpp_call_s(exe: str, model: str, lib: str, shapes: List[str], calls: int):
     """Seconds per call in the predictor, and the output checksums it printed."""
     out = subprocess.run([exe, model, lib, *shapes, "--calls", str(calls)], capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
     lines = out.stdout.splitlines()
     per_call = [ln for ln in lines if ln.startswith("per call:")]
     if out.returncode != 0 or not per_call:
@@ -175,7 +176,8 @@ def run(*, quick: bool, out_dir: str) -> Dict[str, object]:
             records += _time_form(form, batch, fns, dict(errors[form]), want, rounds, target,
                                   exe)
     for r in records:
-        r.update(keys=sum(len(k) for k in keys), segments=segments(plan))
+        r.update(keys=sum(len(k) for k in keys), segments=segments(plan),
+                 threads=torch.get_num_threads())
     return {"records": records, "notes": notes}
 
 
