@@ -210,17 +210,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     results: Dict[str, object] = {"schema": SCHEMA, "argv": argv, "machine": _machine(),
                                   "sections": {}}
-    if "step" in args.section:
-        results["sections"]["step"] = run_step_section(args, argv, args.output)
-    if "serving" in args.section:
-        from benchmarks import serving
+    from benchmarks import ops, serving
 
-        results["sections"]["serving"] = serving.run(quick=args.quick, out_dir=args.output)
-    if "ops" in args.section:
-        from benchmarks import ops
-
-        results["sections"]["ops"] = ops.run(quick=args.quick, seed=args.seed,
-                                             device=args.device, layout=args.ops_layout)
+    run = {"step": lambda: run_step_section(args, argv, args.output),
+           "serving": lambda: serving.run(quick=args.quick, out_dir=args.output),
+           "ops": lambda: ops.run(quick=args.quick, seed=args.seed, device=args.device,
+                                  layout=args.ops_layout)}
+    for section in (s for s in SECTIONS if s in args.section):
+        t = time.perf_counter()
+        results["sections"][section] = {**run[section](), "wall_s": time.perf_counter() - t}
     results["wall_s"] = time.perf_counter() - t0
     results["machine"]["load_average_end"] = os.getloadavg()[0]
     text = report.markdown(results)
@@ -230,7 +228,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         f.write(text + "\n")
     note = report.step_png(results, os.path.join(args.output, "step.png"))
     print(text + (f"\n{note}" if note else ""))
-    print(f"\nwall time {results['wall_s']:.0f} s; results in {args.output}/")
+    print(f"\nwall time {results['wall_s']:.0f} s (" + ", ".join(
+        f"{k} {v['wall_s']:.0f} s" for k, v in results["sections"].items())
+        + f"); results in {args.output}/")
     return 0
 
 
