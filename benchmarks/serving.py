@@ -112,7 +112,8 @@ def _cpp_call_s(exe: str, model: str, lib: str, shapes: List[str], calls: int):
     lines = out.stdout.splitlines()
     per_call = [ln for ln in lines if ln.startswith("per call:")]
     if out.returncode != 0 or not per_call:
-        raise RuntimeError((out.stderr or out.stdout).strip().splitlines()[-1][:200])
+        raise RuntimeError(((out.stderr or out.stdout).strip().splitlines() or [
+            f"exit {out.returncode}"])[-1][:200])
     sums = [int(ln.split()[-1]) for ln in lines if ln.startswith("output ")]
     return float(per_call[0].split()[2]) * 1e-6, sums
 
@@ -200,7 +201,7 @@ def _time_form(form, batch, fns, errors, want, rounds, target, exe) -> List[dict
                     one, sums = _cpp_call_s(exe, model, libs[name], shapes, 10)
                     calls[name] = max(10, int(target / max(one, 1e-7)))
                     checks[name] = "ok" if sums == expect else f"mismatch: {sums} != {expect}"
-                except RuntimeError as e:
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
                     errors[name] = str(e)
             samples = {n: [] for n in calls}
             for _ in range(rounds):  # interleaved: one process per sample
