@@ -210,10 +210,14 @@ def _time_form(form, batch, fns, errors, want, rounds, target, exe) -> List[dict
                     samples[name].append(_cpp_call_s(exe, model, libs[name], shapes,
                                                      calls[name])[0])
         else:
-            for name, fn in fns.items():
-                checks[name] = _check(fn, want)
-                one = min(interleaved({name: fn}, 3, warmup=1)[name])
-                calls[name] = max(1, int(target / max(one, 1e-7)))
+            for name, fn in list(fns.items()):
+                try:
+                    checks[name] = _check(fn, want)
+                    one = min(interleaved({name: fn}, 3, warmup=1)[name])
+                    calls[name] = max(1, int(target / max(one, 1e-7)))
+                except Exception as e:  # noqa: BLE001  (a peer that fails here: reported)
+                    errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    del fns[name]
             samples = interleaved(fns, rounds, number=calls, warmup=0)
     clone = median(samples.get(CLONE, []))
     out = []
