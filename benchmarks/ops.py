@@ -89,27 +89,34 @@ def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scatt
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     before = torch.cuda.memory_allocated()
-                checks[n] = _check(c(), expected, want_grads)
+                try:
+                    checks[n] = _check(c(), expected, want_grads)
+                except Exception as e:  # noqa: BLE001  (a peer without a kernel here)
+                    checks[n] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 peaks[n] = torch.cuda.max_memory_allocated() - before if cuda else None
-            samples = interleaved(calls, rounds, warmup=0,
-                                  max_rounds=None if cuda else {FBGEMM: 1})
+            samples = interleaved({n: c for n, c in calls.items() if not checks[n].startswith(
+                "error")}, rounds, warmup=0, max_rounds=None if cuda else {FBGEMM: 1})
+            samples.update({n: [] for n in calls if n not in samples})
             meds = {n: median(ts) for n, ts in samples.items()}
             out_bytes = sum(e.numel() * e.element_size() for e in expected)
             # bytes a regroup must move: outputs written and read; in forward+backward also
             # the upstream gradient read (one element when expanded), the input's written
             moved = 2 * out_bytes + (((0 if expanded else out_bytes) + sum(
                 v.numel() * v.element_size() for v in values)) if backward else 0)
+            def ratio(a, b):
+                return a / b if a and b else None
+
             for n, ts in samples.items():
-                q = torch.tensor(ts, dtype=torch.float64).quantile(
-                    torch.tensor([0.5, 0.9], dtype=torch.float64)).tolist()
+                q = torch.tensor(ts, dtype=torch.float64).quantile(torch.tensor(
+                    [0.5, 0.9], dtype=torch.float64)).tolist() if ts else [None, None]
                 records.append({
                     "mode": mode, "layout": layout, "duplicates": dup, "batch_size": batch,
                     "device": str(device), "threads": torch.get_num_threads(),
                     "segments": n_segments, "provider": n,
                     "samples_s": ts, "n": len(ts), "p50_s": q[0], "p90_s": q[1],
-                    "bytes_moved": moved, "gbps": moved / q[0] / 1e9,
-                    "mem_peak_bytes": peaks[n], "vs_copy": meds[n] / meds[COPY],
-                    "vs_kt_regroup": meds[n] / meds[KT], "check": checks[n]})
+                    "bytes_moved": moved, "gbps": ratio(moved / 1e9, q[0]),
+                    "mem_peak_bytes": peaks[n], "vs_copy": ratio(meds[n], meds[COPY]),
+                    "vs_kt_regroup": ratio(meds[n], meds[KT]), "check": checks[n]})
             del fns, calls, kts
     return {"records": records, "notes": [] if cuda else [
         "the FBGEMM row (seconds a call on CPU) is timed by one call after its checked one"]}

@@ -38,7 +38,7 @@ TABLES: Dict[str, Tuple[Callable[[dict], str], Columns]] = {
             f" ({r['segments']} segments), B={r['batch_size']}, {r['device']}, "
             f"{r['threads']} threads",
             [("provider", lambda r: r["provider"]), ("P50 ms", lambda r: _ms(r["p50_s"])),
-             ("P90 ms", lambda r: _ms(r["p90_s"])), ("GB/s", lambda r: f"{r['gbps']:.1f}"),
+             ("P90 ms", lambda r: _ms(r["p90_s"])), ("GB/s", lambda r: _x(r["gbps"])),
              ("/ copy_", lambda r: _x(r["vs_copy"])),
              ("/ kt_regroup", lambda r: _x(r["vs_kt_regroup"])), ("n", lambda r: str(r["n"])),
              ("check", lambda r: r["check"])]),
