@@ -82,12 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "random order in each group) or seed (input order); +dup: one duplicate "
                    "key per group; +sum: loss = sum(out.sum()) (stride-0 gradients) instead "
                    "of the linear over-arch (default: scattered,seed,scattered+dup,"
-                   "scattered+sum; quick: scattered,scattered+dup+sum); under the first "
-                   "allocator: the others run --variants-other")
-    s.add_argument("--variants-other", default=None,
-                   type=lambda t: ["all"] if t == "all" else _variants(t),
-                   help="the variants of the allocators after the first (default: the first "
-                   "of --variants; 'all': every one of them)")
+                   "scattered+sum; quick: scattered,scattered+dup+sum), under the first "
+                   "allocator; the others run the first variant")
     s.add_argument("--rows", type=_csv, default=None, help="step rows to run (substrings "
                    "of the row names; default all)")
     s.add_argument("--steps", type=int, default=None, help="timed steps per row after one "
@@ -139,9 +135,8 @@ def _step_child(args) -> List[dict]:
     sizes = harness.QUICK if args.quick else harness.SEED
     variants = args.variants or (["scattered", "scattered+dup+sum"] if args.quick else
                                  ["scattered", "seed", "scattered+dup", "scattered+sum"])
-    if args._child != "first":  # allocators after the first
-        other = args.variants_other or variants[:1]
-        variants = variants if other == ["all"] else other
+    if args._child != "first":  # allocators after the first: the headline variant
+        variants = variants[:1]
     rows = [r for r in step.ROWS if not args.rows or any(s in r for s in args.rows)]
     fbgemm = args.fbgemm_steps if args.fbgemm_steps is not None else (1 if args.quick else 3)
     records = []
