@@ -1,5 +1,5 @@
 # Two entry points; each one sets up ./.venv first (see scripts/setup_env.sh).
-#   make bench   - the regroup benchmark (scattered seed-size layout, CPU), tables on stdout
+#   make bench   - the regroup benchmark (training step, serving, op alone), tables on stdout
 #   make test    - the test suite
 #   make lint    - ruff check (configured in pyproject.toml)
 #   make asan    - the op library built with AddressSanitizer (build/asan), fuzz cases run on it
@@ -12,7 +12,7 @@ setup:
 	./scripts/setup_env.sh
 
 bench: setup
-	.venv/bin/python -m kt_regroup.bench $(BENCH_ARGS)
+	.venv/bin/python -m benchmarks.regroup $(BENCH_ARGS)
 
 test: setup
 	.venv/bin/python -m pytest -q $(PYTEST_ARGS)

@@ -24,3 +24,18 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q -c requirements/constraints.txt --no-build-isolation --no-deps -e .
   echo "$want" >"$stamp"
 fi
+
+# The benchmark's step section also runs under jemalloc and tcmalloc (LD_PRELOAD). Best
+# effort: without root (or password-less sudo) or apt-get, the benchmark reports them missing.
+if ! ldconfig -p 2>/dev/null | grep -q 'libjemalloc.so.2 ' ||
+   ! ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal.so.4 '; then
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo -n"; fi
+  pkgs="libjemalloc2 libtcmalloc-minimal4"
+  if command -v apt-get >/dev/null && { [ -z "$sudo" ] || command -v sudo >/dev/null; }; then
+    echo "[kt_regroup] installing $pkgs (optional: the benchmark's allocators)"
+    # shellcheck disable=SC2086  # $pkgs: two words
+    { $sudo apt-get install -y -q $pkgs || { $sudo apt-get update -q && $sudo apt-get install -y -q $pkgs; }; } \
+      >/dev/null 2>&1 || echo "[kt_regroup] could not install $pkgs: the benchmark reports them missing"
+  fi
+fi

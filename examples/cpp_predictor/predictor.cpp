@@ -1,7 +1,10 @@
 // A C++ predictor for a TorchScript model that calls torch.ops.kt_regroup: it loads
 // kt_regroup's compiled op library next to the model, with no Python anywhere.
 //
-//   predictor MODEL.pt LIB.so SHAPE...      (SHAPE: BxW, one per forward argument)
+//   predictor MODEL.pt LIB.so SHAPE... [--calls N]   (SHAPE: BxW, one per forward argument)
+//
+// With --calls N it then times N more calls (after 10 warm-up calls) and prints
+// "per call: T us (N calls)", the mean wall time of one forward with its inputs ready.
 //
 // Inputs are integer-valued float tensors (element i = i % 17 - 8), so the printed
 // checksums (per output: sum of values weighted by i % 101 + 1) are exact and a Python
@@ -11,6 +14,7 @@
 #include <dlfcn.h>
 #include <torch/script.h>
 
+#include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -40,8 +44,13 @@ void flatten(const c10::IValue& value, std::vector<torch::Tensor>& out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 4) {
-    std::cerr << "usage: predictor MODEL.pt LIB.so SHAPE... (e.g. 8x44 8x13)\n";
+  long calls = 0;
+  if (argc >= 3 && std::string(argv[argc - 2]) == "--calls") {
+    calls = std::stol(argv[argc - 1]);
+    argc -= 2;
+  }
+  if (argc < 4 || calls < 0) {
+    std::cerr << "usage: predictor MODEL.pt LIB.so SHAPE... [--calls N] (e.g. 8x44 8x13)\n";
     return 2;
   }
   // The op library registers torch.ops.kt_regroup.* with the dispatcher when loaded.
@@ -63,6 +72,14 @@ int main(int argc, char** argv) {
     const torch::Tensor weights = torch::arange(out.numel(), torch::kFloat64).fmod(101) + 1;
     const double checksum = (out.to(torch::kFloat64).flatten() * weights).sum().item<double>();
     std::printf("output %zu shape %s checksum %.0f\n", j, c10::str(out.sizes()).c_str(), checksum);
+  }
+  if (calls > 0) {
+    torch::InferenceMode guard;
+    for (int i = 0; i < 10; ++i) model.forward(inputs);
+    const auto start = std::chrono::steady_clock::now();
+    for (long i = 0; i < calls; ++i) model.forward(inputs);
+    const std::chrono::duration<double, std::micro> spent = std::chrono::steady_clock::now() - start;
+    std::printf("per call: %.3f us (%ld calls)\n", spent.count() / calls, calls);
   }
   return 0;
 }

@@ -1,0 +1,147 @@
+"""The op alone: one regroup (and its backward) per call, providers interleaved.
+
+Inputs are leaf ``KeyedTensor`` s of the seed's sizes, scattered layout, with and without
+duplicate keys; forward and forward+backward (``torch.autograd.grad`` with contiguous
+``ones`` or stride-0 ``expanded`` upstream gradients, what ``out.sum()`` hands back).
+Each provider's first call is untimed and checked against torchrec's cat path. The copy
+limits: ``clone`` (fresh memory) and ``copy_`` (warm memory) of the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+
+from benchmarks.harness import QUICK, SEED, interleaved, make_layout, median, segments
+
+KT = "kt_regroup.KTRegroupAsDict"
+FBGEMM = "torchrec.KTRegroupAsDict [fbgemm]"
+COPY = "limit: copy_"
+MODES = ("forward", "forward+backward, ones", "forward+backward, expanded")
+
+
+def _providers(keys, lengths, groups, kts, expected, backward) -> Dict[str, Callable]:
+    from torchrec.modules.regroup import KTRegroupAsDict as TorchrecKTRegroupAsDict
+    from torchrec.sparse.jagged_tensor import KeyedTensor, _regroup_keyed_tensors
+
+    import kt_regroup
+
+    names = [f"group_{i}" for i in range(len(groups))]
+    plan = kt_regroup.get_plan(keys, lengths, groups)
+    tensors, out_lengths = plan.tensors(expected[0].device), list(plan.out_lengths)
+    values = [kt.values() for kt in kts]
+    module, peer = kt_regroup.KTRegroupAsDict(groups, names), TorchrecKTRegroupAsDict(groups, names)
+    op = torch.ops.kt_regroup
+    fns = {
+        KT: lambda: list(module(kts).values()),
+        "kt_regroup.permute_multi_embedding": lambda: op.permute_multi_embedding(
+            values, *tensors, out_lengths),
+        "torchrec._regroup_keyed_tensors": lambda: _regroup_keyed_tensors(kts, groups),
+        "torchrec.KeyedTensor.regroup": lambda: KeyedTensor.regroup(kts, groups),
+        FBGEMM: lambda: list(peer(kts).values()),
+    }
+    if not backward:  # its outputs are touched here, before any timing
+        warm = [torch.zeros_like(e) for e in expected]
+        detached = [v.detach() for v in values]
+        fns["kt_regroup.permute_multi_embedding_into (warm outputs)"] = lambda: (
+            op.permute_multi_embedding_into(detached, *tensors, warm), warm)[1]
+    src = expected + ([v.detach() for v in values] if backward else [])
+    dst = [torch.zeros_like(t) for t in src]
+    fns["limit: clone"] = lambda: [t.clone() for t in src][:len(expected)]
+    fns[COPY] = lambda: [d.copy_(s) for d, s in zip(dst, src)][:len(expected)]
+    return fns
+
+
+def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scattered"
+        ) -> Dict[str, object]:
+    from torchrec.sparse.jagged_tensor import KeyedTensor, _regroup_keyed_tensors
+
+    import kt_regroup
+
+    sizes, batch, rounds = (QUICK, 64, 2) if quick else (SEED, 1024, 7)
+    cuda = torch.device(device).type == "cuda"
+    records = []
+    for dup in (False, True):
+        keys, lengths, groups = make_layout(**sizes, scattered=layout == "scattered",
+                                            duplicates=dup, seed=seed)
+        n_segments = segments(kt_regroup.get_plan(keys, lengths, groups))
+        gen = torch.Generator().manual_seed(seed)
+        base = [torch.randn(batch, sum(w), generator=gen).to(device) for w in lengths]
+        for mode in MODES:
+            backward = mode != "forward"
+            values = [v.clone().requires_grad_(backward) for v in base]
+            kts = [KeyedTensor(keys=k, length_per_key=w, values=v)
+                   for k, w, v in zip(keys, lengths, values)]
+            with torch.no_grad():
+                expected = [t.contiguous() for t in _regroup_keyed_tensors(kts, groups)]
+            expanded = mode.endswith("expanded")
+            ones = [torch.ones((), device=device).expand(e.shape) if expanded
+                    else torch.ones(e.shape, device=device) for e in expected]
+            want_grads = (torch.autograd.grad(_regroup_keyed_tensors(kts, groups), values, ones)
+                          if backward else None)
+            fns = _providers(keys, lengths, groups, kts, expected, backward)
+            calls = {n: _with_backward(f, values, ones if backward and not n.startswith(
+                "limit") else None) for n, f in fns.items()}
+            checks, peaks = {}, {}
+            for n, c in calls.items():  # the checked first call; on CUDA its peak memory
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                try:
+                    checks[n] = _check(c(), expected, want_grads)
+                except Exception as e:  # noqa: BLE001  (a peer without a kernel here)
+                    checks[n] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                peaks[n] = torch.cuda.max_memory_allocated() - before if cuda else None
+            samples = interleaved({n: c for n, c in calls.items() if not checks[n].startswith(
+                "error")}, rounds, warmup=0, max_rounds=None if cuda else {FBGEMM: 1})
+            samples.update({n: [] for n in calls if n not in samples})
+            meds = {n: median(ts) for n, ts in samples.items()}
+            out_bytes = sum(e.numel() * e.element_size() for e in expected)
+            # bytes a regroup must move: outputs written and read; in forward+backward also
+            # the upstream gradient read (one element when expanded), the input's written
+            moved = 2 * out_bytes + (((0 if expanded else out_bytes) + sum(
+                v.numel() * v.element_size() for v in values)) if backward else 0)
+            def ratio(a, b):
+                return a / b if a and b else None
+
+            for n, ts in samples.items():
+                q = torch.tensor(ts, dtype=torch.float64).quantile(torch.tensor(
+                    [0.5, 0.9], dtype=torch.float64)).tolist() if ts else [None, None]
+                records.append({
+                    "mode": mode, "layout": layout, "duplicates": dup, "batch_size": batch,
+                    "device": str(device), "threads": torch.get_num_threads(),
+                    "segments": n_segments, "provider": n,
+                    "samples_s": ts, "n": len(ts), "p50_s": q[0], "p90_s": q[1],
+                    "bytes_moved": moved, "gbps": ratio(moved / 1e9, q[0]),
+                    "mem_peak_bytes": peaks[n], "vs_copy": ratio(meds[n], meds[COPY]),
+                    "vs_kt_regroup": ratio(meds[n], meds[KT]), "check": checks[n]})
+            del fns, calls, kts
+    return {"records": records, "notes": [] if cuda else [
+        "the FBGEMM row (seconds a call on CPU) is timed by one call after its checked one"]}
+
+
+def _with_backward(forward: Callable, values, grads) -> Callable:
+    """``forward`` and, given upstream ``grads``, ``torch.autograd.grad`` of the inputs."""
+    def call():
+        outs = forward()
+        if grads is None:
+            return outs, None
+        return outs, torch.autograd.grad(outs, values, grads, allow_unused=True,
+                                         materialize_grads=True)
+    return call
+
+
+def _check(result, expected: List[torch.Tensor], want_grads) -> str:
+    outs, grads = result
+    if len(outs) != len(expected) or not all(torch.equal(o.detach(), e)
+                                             for o, e in zip(outs, expected)):
+        return "mismatch: outputs"
+    if grads is not None:
+        try:
+            for g, w in zip(grads, want_grads):
+                torch.testing.assert_close(g, w)
+        except AssertionError:
+            return "mismatch: input gradients"
+    return "ok" if grads is not None or want_grads is None else "ok (outputs; no gradient)"

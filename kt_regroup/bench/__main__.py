@@ -1,5 +1,0 @@
-import sys
-
-from kt_regroup.bench.cli import main
-
-sys.exit(main())
