@@ -92,7 +92,6 @@ def _cached(keys: Names, lengths: Tuple[Tuple[int, ...], ...], groups: Names) ->
     return RegroupPlan(keys, lengths, groups, rows, in_lengths, tuple(out_lengths))
 
 
-@torch.compiler.disable  # host work: Dynamo runs it as is, its errors unwrapped (torch 2.11)
 def get_plan(
     keys: Sequence[Sequence[str]],
     lengths: Sequence[Sequence[int]],
