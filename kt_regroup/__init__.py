@@ -11,6 +11,8 @@ first use; :func:`patch_torchrec` makes the registrations in torchrec and torch
 
 from kt_regroup import ops
 from kt_regroup.ops import (
+    cpu_memory,
+    empty_cpu_cache,
     kt_regroup_arguments,
     library_path,
     permute_multi_embedding,
@@ -46,6 +48,8 @@ __all__ = [
     "KTRegroupAsDict",
     "RegroupPlan",
     "__version__",
+    "cpu_memory",
+    "empty_cpu_cache",
     "get_plan",
     "kt_regroup_arguments",
     "library_path",

@@ -28,11 +28,30 @@ def layout(
                 f"{who}: all inputs must have the same key_dim; input {i} has key_dim "
                 f"{kt.key_dim()}, input 0 has {key_dim}"
             )
-    return (
-        [kt.keys() for kt in keyed_tensors],
-        [kt.length_per_key() for kt in keyed_tensors],
-        key_dim,
-    )
+    lengths = [kt.length_per_key() for kt in keyed_tensors]
+    if not torch.jit.is_scripting():  # scripted, length_per_key() is a List[int]
+        lengths = _int_widths(keyed_tensors, lengths, who)
+    return [kt.keys() for kt in keyed_tensors], lengths, key_dim
+
+
+@torch.jit.unused
+def _int_widths(
+    keyed_tensors: List[KeyedTensor], lengths: List[List[int]], who: str
+) -> List[List[int]]:
+    """``lengths`` as ints. Whole-number floats become ints, as a warm plan's comparison
+    (``3.0 == 3``) takes them; anything else is a TypeError naming the key."""
+    out = []
+    for i, widths in enumerate(lengths):
+        if all(type(w) is int for w in widths):
+            out.append(widths)
+            continue
+        for key, w in zip(keyed_tensors[i].keys(), widths):
+            if not isinstance(w, (int, float)) or w != int(w):
+                raise TypeError(
+                    f"{who}: input {i} key {key!r} has width {w!r}; widths must be integers"
+                )
+        out.append([int(w) for w in widths])
+    return out
 
 
 def permute(

@@ -18,7 +18,7 @@ plan, and the warm path takes no lock.
 
 import logging
 import sys
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional
 
 import torch
 import torch.fx._symbolic_trace as _fx_trace
@@ -255,7 +255,9 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         self,
         groups: List[List[str]],
         keys: List[str],
-        emb_dtype: Optional[Union[DataType, torch.dtype]] = None,
+        # torchrec's annotation, kept exactly (its API-compatibility check compares it);
+        # a torch.dtype is taken too.
+        emb_dtype: Optional[DataType] = None,
         multi_device: bool = False,
         allow_views: bool = False,
     ) -> None:

@@ -10,7 +10,9 @@ TorchScript or AOTInductor model runs where only that library is loaded. This mo
    from the ``SymInt`` arguments, never from data, and they check only what the sizes
    need; the kernels check everything else when they run;
 3. on CUDA, where Triton is installed, registers the Triton kernels for the ``CUDA``
-   dispatch key (without Triton, the library's own kernels serve CUDA);
+   dispatch key (without Triton, the library's own kernels serve CUDA), and rules that
+   make ``torch.compile`` and AOTInductor compile those kernels into their code instead
+   of calling the op (``kernels/triton.py``: ``register_graph_rules``);
 4. offers typed Python wrappers.
 
 Ops (FBGEMM's schemas where FBGEMM has the op)::
@@ -190,6 +192,7 @@ if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     from kt_regroup.kernels import triton as _triton
 
     _triton.register(_LIB, "CUDA")
+    _triton.register_graph_rules(_LIB)  # torch.compile / AOTInductor embed the kernels
 
 
 # --- typed wrappers ------------------------------------------------------------------------
@@ -273,3 +276,30 @@ def regroup_keyed_tensor(
         [6, 3]
     """
     return torch.ops.kt_regroup.regroup_keyed_tensor(pooled_embs, keys, lengths, groups)
+
+
+# --- the CPU kernels' output memory ------------------------------------------------------------
+
+
+def cpu_memory(cache_limit: Optional[int] = None, huge_pages: Optional[bool] = None) -> dict:
+    """The CPU kernels' output cache: applies the settings given, returns the state.
+
+    Outputs and gradients of 4 MiB or more come from a cache of freed blocks, so a
+    training step reuses the last step's pages instead of faulting in fresh ones (glibc
+    maps every allocation past 32 MiB anew). The cache holds only freed blocks, at most
+    ``cache_limit`` bytes (default 2 GiB, ``KT_REGROUP_CPU_CACHE_MB``; 0 turns it off),
+    oldest released first. ``huge_pages`` (default off, ``KT_REGROUP_HUGE_PAGES=1``):
+    new blocks are ``madvise(MADV_HUGEPAGE)``d 2 MiB pages.
+
+    Returns ``{"cached_bytes", "cache_limit", "huge_pages", "hits", "misses"}``.
+    """
+    cached, limit, huge, hits, misses = torch.ops.kt_regroup._cpu_memory(cache_limit, huge_pages)
+    return {"cached_bytes": cached, "cache_limit": limit, "huge_pages": bool(huge),
+            "hits": hits, "misses": misses}
+
+
+def empty_cpu_cache() -> None:
+    """Releases every block the CPU output cache holds (tensors in use keep theirs)."""
+    limit = torch.ops.kt_regroup._cpu_memory()[1]
+    torch.ops.kt_regroup._cpu_memory(0)
+    torch.ops.kt_regroup._cpu_memory(limit)

@@ -76,17 +76,54 @@ def _keyed_tensor_regroup_as_dict(
     return regroup_as_dict(keyed_tensors, groups, keys)
 
 
+# torchrec's jagged_tensor helpers, on kt_regroup, each with torchrec's own signature
+# (names and annotations, as torchrec's API-compatibility check compares them).
+
+
+def _regroup_keyed_tensors(
+    keyed_tensors: List["KeyedTensor"], groups: List[List[str]]
+) -> List[torch.Tensor]:
+    return regroup(keyed_tensors, groups)
+
+
+def permute_multi_embedding(
+    keyed_tensors: List["KeyedTensor"], groups: List[List["str"]]
+) -> List[torch.Tensor]:
+    return regroup(keyed_tensors, groups)
+
+
+def regroup_kts(
+    keyed_tensors: List["KeyedTensor"], groups: List[List["str"]]
+) -> List[torch.Tensor]:
+    return regroup(keyed_tensors, groups)
+
+
+def _fbgemm_permute_pooled_embs(
+    keyed_tensors: List["KeyedTensor"], groups: List[List["str"]]
+) -> List[torch.Tensor]:
+    return regroup(keyed_tensors, groups)
+
+
+def _kt_regroup_arguments(
+    value: torch.Tensor,
+    keys: List[List[str]],
+    key_lengths: List[List[int]],
+    groups: List[List[str]],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
+    return kt_regroup_arguments(value, keys, key_lengths, groups)
+
+
 # Module-level objects of torchrec -> kt_regroup's, rebound wherever a torchrec* module
 # holds them. jagged_tensor wraps its helpers with torch.fx.wrap by name, so the
 # replacements bound under those names are recorded as single calls by fx as well.
 # name -> (the torchrec module defining it, kt_regroup's replacement)
 _MODULE_LEVEL: Dict[str, Tuple[ModuleType, Any]] = {
     "KTRegroupAsDict": (_tr_regroup, KTRegroupAsDict),
-    "_regroup_keyed_tensors": (_tr_jagged, regroup),
-    "permute_multi_embedding": (_tr_jagged, regroup),
-    "regroup_kts": (_tr_jagged, regroup),
-    "_fbgemm_permute_pooled_embs": (_tr_jagged, regroup),
-    "_kt_regroup_arguments": (_tr_jagged, kt_regroup_arguments),
+    "_regroup_keyed_tensors": (_tr_jagged, _regroup_keyed_tensors),
+    "permute_multi_embedding": (_tr_jagged, permute_multi_embedding),
+    "regroup_kts": (_tr_jagged, regroup_kts),
+    "_fbgemm_permute_pooled_embs": (_tr_jagged, _fbgemm_permute_pooled_embs),
+    "_kt_regroup_arguments": (_tr_jagged, _kt_regroup_arguments),
 }
 # Class attributes: (class, name, replacement).
 _CLASS_LEVEL: List[Tuple[type, str, Any]] = [

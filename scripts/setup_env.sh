@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.kt_regroup_installed
-want=$(cat requirements/cpu.txt requirements/constraints.txt pyproject.toml setup.py kt_regroup/csrc/* | sha256sum | cut -d' ' -f1)
+want=$(find requirements/cpu.txt requirements/constraints.txt pyproject.toml setup.py kt_regroup/csrc -type f | sort | xargs cat | sha256sum | cut -d' ' -f1)
 
 if [ ! -x .venv/bin/python ]; then
   echo "[kt_regroup] creating .venv"

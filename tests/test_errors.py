@@ -290,3 +290,20 @@ def test_backward_grad_shape_mismatch():
         torch.ops.kt_regroup.permute_multi_embedding_backward(
             [torch.randn(3, 4)], p, *_meta([4], [4]), [5], 3, torch.float32
         )
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_float_widths_same_warm_and_cold(warm):
+    """Whole-number float widths work as ints whether the plan exists or not; a fractional
+    width is a TypeError naming its key, warm or cold (before: the schema's RuntimeError)."""
+    values = torch.randn(4, 5)
+    module = kt_regroup.KTRegroupAsDict([["a"], ["b"]], ["x", "y"])
+    if warm:
+        module([KeyedTensor(["a", "b"], [3, 2], values)])
+    out = module([KeyedTensor(["a", "b"], [3.0, 2.0], values)])
+    torch.testing.assert_close(out["x"], values[:, :3])
+    torch.testing.assert_close(out["y"], values[:, 3:])
+    with pytest.raises(TypeError, match=r"input 0 key 'b' has width 1\.5"):
+        module([KeyedTensor(["a", "b"], [3, 1.5], values[:, :4])])
+    with pytest.raises(TypeError, match=r"key 'a' has width 2\.5"):
+        kt_regroup.regroup_as_dict([KeyedTensor(["a", "b"], [2.5, 2.5], values)], [["a"]], ["x"])

@@ -184,11 +184,19 @@ def _mutate(rng, c: dict) -> None:
         else:
             c["grads"] = [None] * len(c["grads"])
     elif what == "into" and c["embs"] and c["outs"]:
-        kind = rng.choice(("alias_input", "alias_each_other", "strided", "dtype", "width"))
+        kind = rng.choice(("alias_input", "alias_each_other", "strided", "dtype", "width",
+                           "expanded", "other_storage", "leaf"))
         j = rng.randrange(len(c["outs"]))
         o = c["outs"][j]
         if kind == "alias_input":
             c["outs"][j] = c["embs"][0]
+        elif kind == "expanded":  # stride-0 rows: every row one memory location
+            c["outs"][j] = torch.zeros(1, o.size(1), dtype=o.dtype).expand(o.size(0), -1)
+        elif kind == "other_storage":  # the memory of an input or out, through another Storage
+            src = rng.choice([*c["embs"], *c["outs"]])
+            c["outs"][j] = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(src))
+        elif kind == "leaf":
+            c["outs"][j] = o.detach().clone().requires_grad_()
         elif kind == "alias_each_other" and len(c["outs"]) > 1:
             c["outs"][j] = c["outs"][j - 1]
         elif kind == "strided":
@@ -198,11 +206,13 @@ def _mutate(rng, c: dict) -> None:
         else:
             c["outs"][j] = torch.zeros(o.size(0), o.size(1) + 1, dtype=o.dtype)
     elif what == "plan":  # layout-level nonsense for the plan ops
-        kind = rng.choice(("missing", "negative", "lengths", "duplicate", "no_keys"))
+        kind = rng.choice(("missing", "negative", "int32", "lengths", "duplicate", "no_keys"))
         if kind == "missing":
             c["groups"] = [*c["groups"], ["nope"]]
         elif kind == "negative" and c["lengths"][0]:
             c["lengths"][0][0] = rng.choice(EXTREMES[:4])
+        elif kind == "int32" and c["lengths"][0]:  # no int32 plan holds these
+            c["lengths"][0][0] = rng.choice((I32 - 1, I32, 2**32 + 1, 2**40))
         elif kind == "lengths":
             c["lengths"] = [*c["lengths"], [1]]
         elif kind == "duplicate" and len(c["keys"]) > 1 and c["keys"][0]:
@@ -341,6 +351,10 @@ def contract(op: str, args):
             _require(o.dim() == 2 and o.size(0) == embs[0].size(0) and o.dtype == embs[0].dtype,
                      "outs shape, dtype")
             _require(o.size(1) <= 1 or o.stride(1) == 1, "outs unit column stride")
+            _require(o.size(0) <= 1 or o.size(1) == 0 or o.stride(0) >= o.size(1),
+                     "outs rows do not overlap each other")
+            _require(not (o.is_leaf and o.requires_grad and torch.is_grad_enabled()),
+                     "outs: no leaf that requires grad")
             _require(not any(_overlap(o, t) for t in [*embs, *outs[:j]]), "outs overlap")
         outs = [o.clone() for o in outs]
         ref.permute_multi_embedding_into_reference(embs, permutes, in_shapes, out_shapes, outs)
@@ -380,7 +394,6 @@ def run_case(seed: int) -> str:
     """``ok`` or ``raised <Type>``; anything else is a defect, described."""
     op, args = make_case(seed)
     before = _clone(args)
-    ref_args = _clone(args)  # the _into reference writes its own outs
     try:
         result = getattr(torch.ops.kt_regroup, op)(*args)
         raised = None
@@ -393,7 +406,7 @@ def run_case(seed: int) -> str:
     if raised is not None:
         return f"raised {type(raised).__name__}"
     try:
-        expected = contract(op, ref_args)
+        expected = contract(op, args)  # the calls' own tensors: their strides, memory, leaves
     except Breach as breach:
         data = [t for t in _tensors(args) if t is not None]
         if any(t.is_meta for t in data) and all(t.is_meta for t in _tensors(result)):

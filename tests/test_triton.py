@@ -37,6 +37,7 @@ from hypothesis import strategies as st  # noqa: E402
 from reference import (  # noqa: E402
     permute_multi_embedding_backward_reference,
     permute_multi_embedding_reference,
+    permute_multi_embedding_to_reference,
 )
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -624,6 +625,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
     # One tensor a side (1-tuples), widths and strides of 1 (compile-time constants), and
     # the float32 -> bfloat16 rounding of the fused cast.
     run("width1_cast", [torch.empty(8, 1)], [[0, 0, 0, 0, 1, 0]], [1], torch.bfloat16)
+    # Inductor (torch.compile, AOTInductor) launches with every int argument equal to 1 as
+    # a compile-time constant, whatever do_not_specialize says: one row, one batch row.
+    for name in ("_permute_kernel", "_zero_unwritten_kernel"):
+        fn = getattr(kt, name).fn.fn
+        setattr(kt, name, CompileInsteadOfLaunch(triton.jit(fn)))
+    run("ones_constant", [torch.empty(1, 1)], [[0, 0, 0, 0, 1, 0]], [1])
     """
 )
 
@@ -656,7 +663,7 @@ def test_kernels_compile_for_cuda_with_128_bit_accesses():
     vector = "['ld.global.v4.b32', 'st.global.v4.b32']"
     assert f"aligned _permute_kernel False {vector}" in lines, stdout
     assert f"aligned _permute_kernel True {vector}" in lines, stdout
-    assert {line.split()[0] for line in lines} == {"aligned", "width1_cast"}, stdout
+    assert {line.split()[0] for line in lines} == {"aligned", "width1_cast", "ones_constant"}, stdout
 
 
 # --- CUDA only ----------------------------------------------------------------------------
@@ -712,9 +719,8 @@ def triton_on_cpu():
 
 def test_register_serves_the_ops_and_falls_back(triton_on_cpu, monkeypatch):
     calls = []
-    real = triton_on_cpu.permute_multi_embedding_triton
-    monkeypatch.setattr(triton_on_cpu, "permute_multi_embedding_triton",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = triton_on_cpu._forward
+    monkeypatch.setattr(triton_on_cpu, "_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.arange(6.0).view(2, 3)
     p = torch.tensor([[0, 0, 1, 0, 2, -1]], dtype=torch.int32)
     args = (p, torch.tensor([3]), torch.tensor([2]), [2])
@@ -724,3 +730,95 @@ def test_register_serves_the_ops_and_falls_back(triton_on_cpu, monkeypatch):
     xi = torch.arange(6, dtype=torch.int32).view(2, 3)  # Triton kernels do not take int32
     (yi,) = torch.ops.kt_regroup.permute_multi_embedding([xi], *args)
     assert not calls and torch.equal(yi, xi[:, 1:])
+
+
+# --- argument checks: the library's own -----------------------------------------------------
+
+
+def _error(fn):
+    with pytest.raises((ValueError, TypeError, IndexError)) as info:
+        fn()
+    return info.type, str(info.value).splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "case", ["3d", "mixed_dtypes", "batch", "permutes_shape", "permutes_dtype", "in_shapes",
+             "out_shapes", "negative_length", "empty"],
+)  # fmt: skip
+def test_forward_errors_are_the_librarys(case):
+    """The Triton entry runs the C++ checks (``kt_regroup::_check_permute_args``): the same
+    error type and message as the library's CPU kernel for the same bad arguments."""
+    x, y = torch.randn(2, 4), torch.randn(2, 3)
+    p = torch.tensor([[0, 0, 0, 0, 4, 0], [1, 0, 0, 4, 3, 0]], dtype=torch.int32)
+    ins, outs, n = torch.tensor([4, 3]), torch.tensor([7]), [7]
+    args = {
+        "3d": ([x, y.view(2, 3, 1)], p, ins, outs, n),
+        "mixed_dtypes": ([x, y.double()], p, ins, outs, n),
+        "batch": ([x, torch.randn(3, 3)], p, ins, outs, n),
+        "permutes_shape": ([x, y], p[:, :5], ins, outs, n),
+        "permutes_dtype": ([x, y], p.float(), ins, outs, n),
+        "in_shapes": ([x, y], p, ins[:1], outs, n),
+        "out_shapes": ([x, y], p, ins, torch.tensor([7, 1]), n),
+        "negative_length": ([x, y], p, ins, outs, [-7]),
+        "empty": ([], p, ins, outs, n),
+    }[case]
+    on = [(a.to(DEVICE) if isinstance(a, torch.Tensor) else a) for a in args]
+    on[0] = [t.to(DEVICE) for t in args[0]]
+    expected = _error(lambda: torch.ops.kt_regroup.permute_multi_embedding(*args))
+    assert _error(lambda: permute_multi_embedding_triton(*on)) == expected
+
+
+@pytest.mark.parametrize("case", ["batch", "dtypes", "negative_batch", "out_shapes"])
+def test_backward_errors_are_the_librarys(case):
+    g = torch.randn(2, 3)
+    p = torch.tensor([[0, 0, 0, 0, 3, 0]], dtype=torch.int32)
+    shapes = torch.tensor([3])
+    args = {
+        "batch": ([g, torch.randn(3, 1)], p, shapes, torch.tensor([3, 1]), [3], 2),
+        "dtypes": ([g, torch.randn(2, 1).double()], p, shapes, torch.tensor([3, 1]), [3], 2),
+        "negative_batch": ([None], p, shapes, shapes, [3], -1),
+        "out_shapes": ([g], p, shapes, torch.tensor([3, 1]), [3], 2),
+    }[case]
+    on = [[None if t is None else t.to(DEVICE) for t in args[0]]] + [
+        a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args[1:]
+    ]
+    expected = _error(
+        lambda: torch.ops.kt_regroup.permute_multi_embedding_backward(*args, torch.float32)
+    )
+    got = _error(lambda: permute_multi_embedding_backward_triton(*on, torch.float32))
+    assert got == expected
+
+
+# --- the triton_ops that compiled graphs run (tests/test_triton_compile.py traces them) ----
+
+
+@pytest.mark.parametrize(
+    "src,dst", [(None, None), ((torch.bfloat16, torch.float32), torch.float16)],
+    ids=["one_dtype", "mixed_to_float16"],
+)  # fmt: skip
+def test_triton_ops_match_reference(src, dst):
+    """``kt_regroup::_permute_multi_embedding_triton`` and its backward, called as ops (the
+    calls a compiled graph makes), against the oracle; inputs never modified."""
+    layout = SMALL_LAYOUT
+    permutes, in_shapes, out_shapes, out_lengths = metadata("torchrec", layout)
+    values = values_on(layout, 4, torch.float32, seed=21)
+    if src is not None:
+        values = [v.to(d) for v, d in zip(values, src)]
+    before = clone_all(values)
+    got = torch.ops.kt_regroup._permute_multi_embedding_triton(values, permutes, out_lengths, dst)
+    ref = permute_multi_embedding_to_reference(
+        [v.cpu().float() if src else v.cpu() for v in values], permutes.cpu(), in_shapes.cpu(),
+        out_shapes.cpu(), out_lengths, dst,
+    )  # fmt: skip
+    assert_same_list([g.cpu() for g in got], ref)
+    assert_same_list(values, before)
+    grads = random_grads(out_lengths, 4, dst or torch.float32, seed=22)
+    grads[1] = None
+    back = torch.ops.kt_regroup._permute_multi_embedding_backward_triton(
+        grads, permutes, out_shapes, layout.in_widths, 4, torch.float32
+    )
+    ref = permute_multi_embedding_backward_reference(
+        [None if g is None else g.cpu() for g in grads], permutes.cpu(), in_shapes.cpu(),
+        out_shapes.cpu(), layout.in_widths, 4, torch.float32,
+    )  # fmt: skip
+    assert_same_list([b.cpu() for b in back], ref)

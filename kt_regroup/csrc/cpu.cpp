@@ -10,7 +10,7 @@
 // touched.
 
 #include "kt_regroup.h"
-#include "huge_pages.h"
+#include "cpu_memory.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -111,12 +111,28 @@ inline void stream_fence() {}
 // last-level cache, where the output would not stay cached anyway.
 constexpr int64_t kStreamBytes = int64_t(32) << 20;
 
-// Whether a copy writing `bytes` streams its stores. Into memory that exists (the _into
-// op) and into fresh huge pages, streaming measured ~0.7-0.9x the time of normal stores
-// (scattered seed layout, 505 MB). Into fresh 4 KiB pages it measured no faster, or
-// slower: each page the fault has just zeroed is still cached.
-bool use_streaming(int64_t bytes, bool fresh) {
-  return bytes >= kStreamBytes && (!fresh || huge_pages_enabled());
+// Whether a copy writing `bytes` streams its stores. Into memory whose pages exist (the
+// _into op's outs, blocks the output cache reused), streaming measured ~0.7-0.9x the time
+// of normal stores (scattered seed layout, 505 MB). Into fresh 4 KiB pages it measured no
+// faster, or slower: each page the fault has just zeroed is still cached.
+bool use_streaming(int64_t bytes, bool warm) {
+  return bytes >= kStreamBytes && warm;
+}
+
+// Outputs [batch, n] for each n, zero-filled unless `tiled` (every column written);
+// `warm` is set to whether all of them reuse faulted-in pages.
+std::vector<at::Tensor> new_outputs(
+    int64_t batch, c10::IntArrayRef widths, const c10::TensorOptions& options, bool tiled,
+    bool& warm) {
+  std::vector<at::Tensor> outs;
+  outs.reserve(widths.size());
+  warm = true;
+  for (int64_t n : widths) {
+    bool w = false;
+    outs.push_back(tiled ? empty_cpu({batch, n}, options, &w) : zeros_cpu({batch, n}, options, &w));
+    warm = warm && w;
+  }
+  return outs;
 }
 
 int64_t grain_rows(int64_t bytes_per_row) {
@@ -196,12 +212,12 @@ void permute_convert_into(
   });
 }
 
-// `fresh`: the outputs were just allocated (by empty_cpu / zeros_cpu).
+// `warm`: the outputs' pages are faulted in (see use_streaming).
 void permute_forward_into(
     at::TensorList pooled_embs,
     const std::vector<Segment>& segments,
     at::TensorList outs,
-    bool fresh) {
+    bool warm) {
   const int64_t batch = pooled_embs[0].size(0);
   if (batch == 0 || segments.empty()) return;
   // A byte copy: the segments' inputs have the outputs' dtype (the fused cast sends
@@ -237,7 +253,7 @@ void permute_forward_into(
   }
   const Copy* cs = copies.data();
   const size_t n = copies.size();
-  if (use_streaming(batch * bytes_per_row, fresh)) {
+  if (use_streaming(batch * bytes_per_row, warm)) {
     at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         for (size_t k = 0; k < n; ++k) {
@@ -272,13 +288,9 @@ std::vector<at::Tensor> permute_multi_embedding_cpu(
   const int64_t batch = first.size(0);
   // Every column written exactly once: skip the zero fill.
   const bool tiled = segments_tile_outputs(segments, out_lengths);
-  const auto options = first.options();
-  std::vector<at::Tensor> outs;
-  outs.reserve(out_lengths.size());
-  for (int64_t n : out_lengths) {
-    outs.push_back(tiled ? empty_cpu({batch, n}, options) : zeros_cpu({batch, n}, options));
-  }
-  permute_forward_into(pooled_embs, segments, outs, /*fresh=*/true);
+  bool warm = false;
+  std::vector<at::Tensor> outs = new_outputs(batch, out_lengths, first.options(), tiled, warm);
+  permute_forward_into(pooled_embs, segments, outs, warm);
   return outs;
 }
 
@@ -298,12 +310,9 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
   const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
   const int64_t batch = first.size(0);
   const bool tiled = segments_tile_outputs(segments, out_lengths);
-  const auto options = first.options().dtype(out_dtype);
-  std::vector<at::Tensor> outs;
-  outs.reserve(out_lengths.size());
-  for (int64_t n : out_lengths) {
-    outs.push_back(tiled ? empty_cpu({batch, n}, options) : zeros_cpu({batch, n}, options));
-  }
+  bool warm = false;
+  std::vector<at::Tensor> outs =
+      new_outputs(batch, out_lengths, first.options().dtype(out_dtype), tiled, warm);
   auto is_float = [](c10::ScalarType t) {
     return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
   };
@@ -319,7 +328,7 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
   }
   for (const auto& [in_dtype, segs] : passes) {
     if (in_dtype == out_dtype) {
-      permute_forward_into(pooled_embs, segs, outs, /*fresh=*/true);
+      permute_forward_into(pooled_embs, segs, outs, warm);
     } else if (is_float(in_dtype) && is_float(out_dtype)) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in_dtype, "kt_regroup_to", [&] {
         using src_t = scalar_t;
@@ -349,7 +358,7 @@ void permute_multi_embedding_into_cpu(
     at::TensorList outs) {
   const std::vector<Segment> segments =
       prepare_into(pooled_embs, permutes, in_shapes, out_shapes, outs);
-  permute_forward_into(pooled_embs, segments, outs, /*fresh=*/false);
+  permute_forward_into(pooled_embs, segments, outs, /*warm=*/true);
 }
 
 // ---- backward -------------------------------------------------------------------------
@@ -416,10 +425,11 @@ void backward_rows(
     const std::vector<GradBlock>& blocks,
     const std::vector<GradSource>& sources,
     const std::vector<std::pair<char*, int64_t>>& dsts,  // input gradient: base, row stride
-    int64_t bytes_per_row) {
+    int64_t bytes_per_row,
+    bool warm) {
   constexpr int64_t es = sizeof(scalar_t);
   // Past the caches: streaming stores for copies and fills (sums keep normal stores).
-  const bool stream = use_streaming(batch * bytes_per_row, /*fresh=*/true);
+  const bool stream = use_streaming(batch * bytes_per_row, warm);
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (const GradBlock& g : blocks) {
@@ -491,10 +501,10 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   }
   if (!fast) return backward_by_segments(grads, segments, in_lengths, batch_size, dtype, device);
 
-  const auto options = at::TensorOptions().dtype(dtype).device(device);
-  std::vector<at::Tensor> out;
-  out.reserve(n_in);
-  for (int64_t i = 0; i < n_in; ++i) out.push_back(empty_cpu({batch_size, in_widths[i]}, options));
+  bool warm = false;
+  std::vector<at::Tensor> out = new_outputs(
+      batch_size, in_lengths, at::TensorOptions().dtype(dtype).device(device), /*tiled=*/true,
+      warm);
   if (batch_size == 0) return out;
 
   // Gradients are read in place with their own strides (only lazy conj/neg resolved).
@@ -577,7 +587,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
     }
   }
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
-    backward_rows<scalar_t>(batch_size, blocks, sources, dsts, bytes_per_row);
+    backward_rows<scalar_t>(batch_size, blocks, sources, dsts, bytes_per_row, warm);
   });
   return out;
 }

@@ -4,7 +4,7 @@
 //              regroup_keyed_tensor, argument checks, build info
 // portable.cpp kernels made of ATen copies, for every device (CompositeExplicitAutograd)
 // cpu.cpp      the native CPU kernels
-// huge_pages.h/.cpp  large CPU outputs and gradients in transparent huge pages
+// cpu_memory.h/.cpp  the CPU kernels' large outputs: a bounded cache of freed blocks
 // autograd.cpp the autograd kernels (the only autograd when this library is loaded)
 #pragma once
 

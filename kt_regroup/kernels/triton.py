@@ -18,8 +18,10 @@ addressing throughout. Segments whose offsets, length and row strides are multip
 loads and stores are 128-bit vector accesses; other segments take a masked scalar branch.
 
 *Several tensors without a pointer table.* The pointers, strides and widths of up to
-``MAX_TENSORS`` inputs and as many outputs are kernel arguments (tuples), selected in the
-kernel by a few scalar selects on the row's tensor index. Kernel arguments travel with
+``MAX_TENSORS`` inputs and as many outputs are kernel arguments, one each (slots ``r0``..
+``r7``, ``w0``..``w7``, unused ones ``None``; Inductor's launcher takes no tuples), packed
+into tuples inside the kernel and selected by a few scalar selects on the row's tensor
+index (``N_READS``/``N_WRITES`` slots, compile-time constants). Kernel arguments travel with
 the launch (and are baked into a CUDA graph): nothing is copied to the device per call,
 and every result is an independent allocation. One flat buffer sliced into the outputs
 was rejected: a custom op's outputs may not share storage (``torch.library``'s aliasing
@@ -46,6 +48,13 @@ the input gradient once. No atomics, no read-modify-write of global memory.
 (mask memset, copy, zero fill), backward 3, whatever the number of rows. Batch 0 launches
 nothing.
 
+*Compiled and exported graphs.* The launches go through ``torch.library.wrap_triton`` and
+the two triton_ops at the end of this file run them; :func:`register_graph_rules` makes
+``torch.compile`` and AOTInductor trace the public ops on CUDA into those, so Inductor
+compiles these kernels into its code (an AOTInductor package carries them as cubins)
+instead of calling the op. Kernel arguments are therefore flat (Inductor launches no
+tuples), and every size may be a SymInt there.
+
 *Bad rows* never make an access leave its tensor: writes are clipped to the written
 tensor's real width, reads outside the read tensor's width load 0, a tensor index outside
 the list makes the row a no-op (its columns are zero-filled), and a chain walk stops after
@@ -64,6 +73,9 @@ from typing import List, Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
+from torch.library import wrap_triton
+from triton.runtime.jit import JITFunction
 
 __all__ = [
     "MAX_TENSORS",
@@ -78,6 +90,7 @@ __all__ = [
 # widths are tuple kernel arguments; Triton compiles one kernel per tuple length, so this
 # bounds the variants and the argument count. More tensors are handled in chunks.
 MAX_TENSORS = 8
+_SLOTS = 8  # tensor arguments of each side in the kernels' signatures (>= MAX_TENSORS)
 
 _BLOCK_ELEMENTS = 4096  # elements per (BLOCK_B x BLOCK_C) tile of the copy kernel
 _ZERO_COLS = 128  # columns per program of the zero-fill kernel
@@ -109,36 +122,37 @@ def _add(a, b):
 
 
 @triton.jit
-def _pick(i, vals):
-    """``vals[i]`` (``vals[0]`` when ``i`` is out of range); scalar or tensor ``i``."""
+def _pick(i, vals, N: tl.constexpr):
+    """``vals[i]`` for ``i < N`` (``vals[0]`` when ``i`` is out of range); scalar or tensor
+    ``i``. Only the first ``N`` entries are used (the others are ``None``)."""
     r = vals[0]
-    for k in tl.static_range(1, len(vals)):
+    for k in tl.static_range(1, N):
         r = tl.where(i == k, vals[k], r)
     return r
 
 
 @triton.jit
-def _pick_read(i, ptrs, row_strides, col_strides, widths):
+def _pick_read(i, ptrs, row_strides, col_strides, widths, N: tl.constexpr):
     """Pointer, strides and width of read tensor ``i``; width 0 (nothing is read) for an
-    index outside the tuple, so a bad row reads zeros."""
-    inside = (i >= 0) & (i < len(ptrs))
+    index outside ``[0, N)``, so a bad row reads zeros."""
+    inside = (i >= 0) & (i < N)
     return (
-        _pick(i, ptrs),
-        tl.cast(_pick(i, row_strides), tl.int64),
-        tl.cast(_pick(i, col_strides), tl.int64),
-        tl.where(inside, _pick(i, widths), 0).to(tl.int64),
+        _pick(i, ptrs, N),
+        tl.cast(_pick(i, row_strides, N), tl.int64),
+        tl.cast(_pick(i, col_strides, N), tl.int64),
+        tl.where(inside, _pick(i, widths, N), 0).to(tl.int64),
     )
 
 
 @triton.jit
-def _pick_write(i, ptrs, row_strides, widths):
+def _pick_write(i, ptrs, row_strides, widths, N: tl.constexpr):
     """Pointer, row stride and width of written tensor ``i``, and its first column in
     the flat column space (``sum(widths[:i])``)."""
     first = tl.where(i > 0, widths[0], 0).to(tl.int64)
-    for k in tl.static_range(1, len(widths) - 1):
+    for k in tl.static_range(1, N - 1):
         first += tl.where(i > k, widths[k], 0)
-    stride = tl.cast(_pick(i, row_strides), tl.int64)
-    return _pick(i, ptrs), stride, tl.cast(_pick(i, widths), tl.int64), first
+    stride = tl.cast(_pick(i, row_strides, N), tl.int64)
+    return _pick(i, ptrs, N), stride, tl.cast(_pick(i, widths, N), tl.int64), first
 
 
 @triton.jit
@@ -192,7 +206,7 @@ def _load_block(ptr, rs, cs, width, off, length, rows, rmask, c, c_end, VEC: tl.
 def _segment(
     perm_ptr, perm_s0, perm_s1, n_rows, written_ptr, first, bblk, rows, rmask,
     w_ptr, w_rs, wo, c_lo, c_hi, rt, ro, length, nxt, r_lo,
-    reads, r_rs, r_cs, r_w,
+    reads, r_rs, r_cs, r_w, N_READS: tl.constexpr,
     BACKWARD: tl.constexpr, ACC: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     """Writes columns ``wo + c``, ``c`` in ``[c_lo, c_hi)``, of ``rows`` of one tensor."""
@@ -201,7 +215,7 @@ def _segment(
     # PyTorch adds a gradient to its accumulator in their promoted type.
     COMPUTE: tl.constexpr = tl.float64 if (ACC == tl.float64 or IN == tl.float64) else tl.float32
     if not BACKWARD:
-        r_ptr, rs, cs, rw = _pick_read(rt, reads, r_rs, r_cs, r_w)
+        r_ptr, rs, cs, rw = _pick_read(rt, reads, r_rs, r_cs, r_w, N_READS)
     for ci in range(0, (c_hi - c_lo + BLOCK_C - 1) // BLOCK_C):
         c = c_lo + ci * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
         if bblk == 0:  # one program per row marks the columns it writes
@@ -216,7 +230,7 @@ def _segment(
             steps = n_rows * 0
             more = steps == 0
             while more:
-                g_ptr, g_rs, g_cs, g_w = _pick_read(cur_t, reads, r_rs, r_cs, r_w)
+                g_ptr, g_rs, g_cs, g_w = _pick_read(cur_t, reads, r_rs, r_cs, r_w, N_READS)
                 g = _load_block(g_ptr, g_rs, g_cs, g_w, cur_off, cur_len, rows, rmask, c, c_hi, VEC)
                 acc = (acc.to(COMPUTE) + g.to(COMPUTE)).to(ACC)
                 # Follow the chain: a positive link is the next row of the same key; that
@@ -240,16 +254,31 @@ def _segment(
 @triton.jit(do_not_specialize=["perm_s0", "perm_s1", "n_rows", "batch", "r_lo", "w_lo"])
 def _permute_kernel(
     perm_ptr, perm_s0, perm_s1, n_rows, batch, written_ptr, r_lo, w_lo,
-    reads, r_rs, r_cs, r_w, writes, w_rs, w_w,
-    BACKWARD: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr,
+    r0, r1, r2, r3, r4, r5, r6, r7,
+    r_rs0, r_rs1, r_rs2, r_rs3, r_rs4, r_rs5, r_rs6, r_rs7,
+    r_cs0, r_cs1, r_cs2, r_cs3, r_cs4, r_cs5, r_cs6, r_cs7,
+    r_w0, r_w1, r_w2, r_w3, r_w4, r_w5, r_w6, r_w7,
+    w0, w1, w2, w3, w4, w5, w6, w7,
+    w_rs0, w_rs1, w_rs2, w_rs3, w_rs4, w_rs5, w_rs6, w_rs7,
+    w_w0, w_w1, w_w2, w_w3, w_w4, w_w5, w_w6, w_w7,
+    N_READS: tl.constexpr, N_WRITES: tl.constexpr, BACKWARD: tl.constexpr,
+    ACC64: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     """Forward: row ``(in_t, out_t, in_off, out_off, length)`` copies input columns to
     output columns. Backward (``BACKWARD``): the same rows read the other way, only chain
-    heads (``next >= 0``) work, summing the gradient blocks on their chain in ``ACC``.
-    ``r_lo``/``w_lo``: index of ``reads[0]``/``writes[0]`` in the full tensor lists."""
+    heads (``next >= 0``) work, summing the gradient blocks on their chain in float32
+    (float64 with ``ACC64``). ``r_lo``/``w_lo``: index of ``r0``/``w0`` in the full tensor
+    lists. The first ``N_READS``/``N_WRITES`` slots are used, the others are ``None``."""
+    reads = (r0, r1, r2, r3, r4, r5, r6, r7)
+    r_rs = (r_rs0, r_rs1, r_rs2, r_rs3, r_rs4, r_rs5, r_rs6, r_rs7)
+    r_cs = (r_cs0, r_cs1, r_cs2, r_cs3, r_cs4, r_cs5, r_cs6, r_cs7)
+    r_w = (r_w0, r_w1, r_w2, r_w3, r_w4, r_w5, r_w6, r_w7)
+    writes = (w0, w1, w2, w3, w4, w5, w6, w7)
+    w_rs = (w_rs0, w_rs1, w_rs2, w_rs3, w_rs4, w_rs5, w_rs6, w_rs7)
+    w_w = (w_w0, w_w1, w_w2, w_w3, w_w4, w_w5, w_w6, w_w7)
+    ACC: tl.constexpr = tl.float64 if ACC64 else tl.float32
     pid = tl.program_id(0).to(tl.int64)
-    n_rows = n_rows.to(tl.int64)
+    n_rows = tl.cast(n_rows, tl.int64)  # a constant 1 where Inductor launches it
     seg = pid % n_rows
     bblk = pid // n_rows
     row = perm_ptr + seg * perm_s0
@@ -264,15 +293,15 @@ def _permute_kernel(
         ro = out_off
         wt = in_t - w_lo
         wo = in_off
-        active = (wt >= 0) & (wt < len(writes)) & (nxt >= 0)
+        active = (wt >= 0) & (wt < N_WRITES) & (nxt >= 0)
     else:
         rt = in_t - r_lo
         ro = in_off
         wt = out_t - w_lo
         wo = out_off
-        active = (wt >= 0) & (wt < len(writes)) & (rt >= 0) & (rt < len(reads))
+        active = (wt >= 0) & (wt < N_WRITES) & (rt >= 0) & (rt < N_READS)
     if active:
-        w_ptr, w_stride, w_width, first = _pick_write(wt, writes, w_rs, w_w)
+        w_ptr, w_stride, w_width, first = _pick_write(wt, writes, w_rs, w_w, N_WRITES)
         rows = bblk * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
         rmask = rows < batch
         # The row clipped to the written tensor: columns wo + c, c in [c_lo, c_hi).
@@ -285,14 +314,14 @@ def _permute_kernel(
             _segment(
                 perm_ptr, perm_s0, perm_s1, n_rows, written_ptr, first, bblk, rows, rmask,
                 w_ptr, (w_stride // VEC) * VEC, (wo // VEC) * VEC, 0, (length // VEC) * VEC,
-                rt, ro, length, nxt, r_lo, reads, r_rs, r_cs, r_w,
+                rt, ro, length, nxt, r_lo, reads, r_rs, r_cs, r_w, N_READS,
                 BACKWARD, ACC, BLOCK_C, VEC,
             )  # fmt: skip
         else:
             _segment(
                 perm_ptr, perm_s0, perm_s1, n_rows, written_ptr, first, bblk, rows, rmask,
                 w_ptr, w_stride, wo, c_lo, c_hi, rt, ro, length, nxt, r_lo,
-                reads, r_rs, r_cs, r_w, BACKWARD, ACC, BLOCK_C, VEC,
+                reads, r_rs, r_cs, r_w, N_READS, BACKWARD, ACC, BLOCK_C, VEC,
             )  # fmt: skip
 
 
@@ -301,11 +330,17 @@ def _permute_kernel(
 
 @triton.jit(do_not_specialize=["batch", "n_cols", "rows_per_program"])
 def _zero_unwritten_kernel(
-    written_ptr, batch, n_cols, rows_per_program, writes, w_rs, w_w,
-    BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+    written_ptr, batch, n_cols, rows_per_program,
+    w0, w1, w2, w3, w4, w5, w6, w7,
+    w_rs0, w_rs1, w_rs2, w_rs3, w_rs4, w_rs5, w_rs6, w_rs7,
+    w_w0, w_w1, w_w2, w_w3, w_w4, w_w5, w_w6, w_w7,
+    N_WRITES: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Stores 0 in the columns the copy kernel did not mark; a block of flat columns
     (the written tensors side by side) and of rows per program."""
+    writes = (w0, w1, w2, w3, w4, w5, w6, w7)
+    w_rs = (w_rs0, w_rs1, w_rs2, w_rs3, w_rs4, w_rs5, w_rs6, w_rs7)
+    w_w = (w_w0, w_w1, w_w2, w_w3, w_w4, w_w5, w_w6, w_w7)
     col = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
     unwritten = tl.load(written_ptr + col, mask=col < n_cols, other=1) == 0
     if tl.reduce(unwritten.to(tl.int32), 0, _add) > 0:
@@ -314,12 +349,12 @@ def _zero_unwritten_kernel(
         t = col * 0
         start = col * 0
         end = col * 0 + w_w[0]
-        for k in tl.static_range(1, len(writes)):
+        for k in tl.static_range(1, N_WRITES):
             t = tl.where(col >= end, k, t)
             start = tl.where(col >= end, end, start)
             end += w_w[k]
-        base = _pick(t, writes) + (col - start)
-        rs = tl.cast(_pick(t, w_rs), tl.int64) + col * 0  # a vector even for one tensor
+        base = _pick(t, writes, N_WRITES) + (col - start)
+        rs = tl.cast(_pick(t, w_rs, N_WRITES), tl.int64) + col * 0  # a vector even for one tensor
         zeros = tl.full([BLOCK_B, BLOCK_C], 0, dtype=writes[0].dtype.element_ty)
         first_row = tl.program_id(1).to(tl.int64) * rows_per_program
         end_row = tl.minimum(first_row + rows_per_program, batch)
@@ -330,114 +365,158 @@ def _zero_unwritten_kernel(
 
 
 # --- host side ----------------------------------------------------------------------------
+# The launches go through torch.library.wrap_triton: where wrapping is enabled (a trace:
+# torch.compile, AOTInductor, fake tensors) they are recorded as Triton kernel calls that
+# Inductor compiles into its own code; where it is disabled (every eager entry below
+# disables it) they are plain launches. So the same code serves eager calls and the
+# triton_ops at the end of this file. Sizes may be SymInts there: no int() of the batch.
 
 
 def _device_guard(device: torch.device):
     # Triton launches on the current device's current stream: make it the tensors' device.
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    # In a trace the compiler emits its own guards (and fake tensors have no device to set).
+    if device.type != "cuda" or is_wrap_triton_enabled():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
-def _check_2d(op: str, name: str, tensors: Sequence[Optional[torch.Tensor]]) -> None:
-    """Host-side structure checks only (shapes, dtypes, devices): no tensor data is read."""
-    first = next((t for t in tensors if t is not None), None)
-    for i, t in enumerate(tensors):
-        if t is None:
-            continue
-        if t.dim() != 2:
-            raise ValueError(
-                f"kt_regroup.{op}: {name}[{i}] must be 2-D [batch, width], got shape "
-                f"{tuple(t.shape)}"
-            )
-        if t.dtype != first.dtype or t.device != first.device or t.size(0) != first.size(0):
-            raise ValueError(
-                f"kt_regroup.{op}: {name}[{i}] is {t.dtype} {tuple(t.shape)} on {t.device}, "
-                f"but {name} must share one dtype, device and batch size "
-                f"({first.dtype}, {first.size(0)} rows, {first.device})"
-            )
-        if t.dtype not in _TL_DTYPE:
-            raise TypeError(
-                f"kt_regroup.{op}: {name}[{i}] is {t.dtype}; Triton kernels take "
-                f"{', '.join(str(d) for d in _TL_DTYPE)}"
-            )
-
-
-def _check_permutes(op: str, permutes: torch.Tensor, device: torch.device) -> None:
-    if permutes.dim() != 2 or permutes.size(1) != 6:
-        raise ValueError(
-            f"kt_regroup.{op}: permutes must have shape [n, 6] (in_tensor, out_tensor, "
-            f"in_offset, out_offset, length, next), got {tuple(permutes.shape)}"
+def _check_args(op, tensors, permutes, in_shapes, out_shapes, lengths, batch_size=None,
+                same_dtype=True) -> None:  # fmt: skip
+    """The library's own checks (``kt_regroup::_check_permute_args``, C++): everything the
+    other kernels check before reading data, with their messages. Then what only these
+    kernels need: a dtype they take, and the plan on the data's device (they read it there)."""
+    torch.ops.kt_regroup._check_permute_args(
+        op, tensors, permutes, in_shapes, out_shapes, [int(n) for n in lengths], batch_size,
+        same_dtype,
+    )  # fmt: skip
+    data = next((t for t in tensors if t is not None), None)
+    device = permutes.device if data is None else data.device
+    if data is not None and data.dtype not in _TL_DTYPE:
+        raise TypeError(
+            f"kt_regroup.{op}: the Triton kernels take {', '.join(map(str, _TL_DTYPE))}, "
+            f"got {data.dtype}"
         )
-    if permutes.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"kt_regroup.{op}: permutes must be int32 or int64, got {permutes.dtype}")
     if permutes.device != device:
         raise ValueError(
             f"kt_regroup.{op}: permutes is on {permutes.device} but the tensors are on {device}"
         )
 
 
+def _kernels() -> tuple:
+    """The two kernels as this call launches them: wrapped by wrap_triton where a trace
+    records them, as they are in eager calls and under Triton's interpreter (which
+    torch 2.11's wrap_triton refuses; nothing traces there)."""
+    if is_wrap_triton_enabled() and isinstance(_permute_kernel, JITFunction):
+        return wrap_triton(_permute_kernel), wrap_triton(_zero_unwritten_kernel)
+    return _permute_kernel, _zero_unwritten_kernel
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _slots(prefix: str, values: Sequence) -> dict:
+    """Kernel arguments ``prefix0 .. prefix7``: ``values``, then ``None``."""
+    return {f"{prefix}{k}": values[k] if k < len(values) else None for k in range(_SLOTS)}
 
 
 def _run(
     reads: Sequence[Optional[torch.Tensor]],
     writes: Sequence[torch.Tensor],
     permutes: torch.Tensor,
-    batch: int,
+    batch,
     backward: bool,
     avg_length: int,
     acc_dtype: Optional[torch.dtype] = None,
 ) -> None:
     """Fills ``writes`` (every element once) from ``reads`` as ``permutes`` says."""
-    write_widths = [int(w.size(1)) for w in writes]
+    write_widths = [w.size(1) for w in writes]
     n_cols = sum(write_widths)
-    if batch == 0 or n_cols == 0:
+    if n_cols == 0 or batch == 0:
         return
     device = writes[0].device
     n_rows = int(permutes.size(0))
-    written = torch.zeros(n_cols, dtype=torch.int8, device=device)
     defined = next(t for t in reads if t is not None)
     itemsize = max(defined.element_size(), writes[0].element_size())
     block_c = min(128, max(4, _next_pow2(avg_length)))
-    block_b = max(1, min(_BLOCK_ELEMENTS // block_c, _next_pow2(batch)))
+    block_b = _BLOCK_ELEMENTS // block_c
+    if isinstance(batch, int):  # a symbolic batch (a trace) keeps the full tile
+        block_b = max(1, min(block_b, _next_pow2(batch)))
     # Reads of undefined (None) gradients: any pointer of the right type, width 0.
     r_ptr = [defined if t is None else t for t in reads]
     r_rs = [0 if t is None else t.stride(0) for t in reads]
     r_cs = [0 if t is None else t.stride(1) for t in reads]
     r_w = [0 if t is None else t.size(1) for t in reads]
     read_chunks = [0] if backward else range(0, len(reads), MAX_TENSORS)
-    rows_per_program = max(_ZERO_ROWS_PER_PROGRAM, triton.cdiv(batch, _MAX_GRID_Y))
+    rows_per_program = torch.sym_max(_ZERO_ROWS_PER_PROGRAM, triton.cdiv(batch, _MAX_GRID_Y))
+    acc64 = (acc_dtype or writes[0].dtype) == torch.float64
+    permute_kernel, zero_kernel = _kernels()
     with _device_guard(device):
         for w_lo in range(0, len(writes), MAX_TENSORS):
             w = slice(w_lo, w_lo + MAX_TENSORS)
-            w_args = (
-                tuple(writes[w]),
-                tuple(t.stride(0) for t in writes[w]),
-                tuple(write_widths[w]),
-            )
-            written_here = written[sum(write_widths[:w_lo]) :]
+            n_here = sum(write_widths[w])
+            if n_here == 0:
+                continue
+            w_args = {
+                **_slots("w", writes[w]),
+                **_slots("w_rs", [t.stride(0) for t in writes[w]]),
+                **_slots("w_w", write_widths[w]),
+                "N_WRITES": len(writes[w]),
+            }
+            # One byte per written column: 1 where the copy kernel wrote it.
+            written = writes[0].new_zeros(n_here, dtype=torch.int8)
             if n_rows > 0:
                 for r_lo in read_chunks:
                     r = slice(r_lo, r_lo + MAX_TENSORS)
-                    _permute_kernel[(n_rows * triton.cdiv(batch, block_b),)](
-                        permutes, permutes.stride(0), permutes.stride(1), n_rows, batch,
-                        written_here, r_lo, w_lo,
-                        tuple(r_ptr[r]), tuple(r_rs[r]), tuple(r_cs[r]), tuple(r_w[r]), *w_args,
-                        BACKWARD=backward, ACC=_TL_DTYPE[acc_dtype or writes[0].dtype],
-                        BLOCK_B=block_b, BLOCK_C=block_c, VEC=max(1, 16 // itemsize),
+                    permute_kernel[(n_rows * triton.cdiv(batch, block_b),)](
+                        perm_ptr=permutes, perm_s0=permutes.stride(0),
+                        perm_s1=permutes.stride(1), n_rows=n_rows, batch=batch,
+                        written_ptr=written, r_lo=r_lo, w_lo=w_lo,
+                        **_slots("r", r_ptr[r]), **_slots("r_rs", r_rs[r]),
+                        **_slots("r_cs", r_cs[r]), **_slots("r_w", r_w[r]),
+                        N_READS=len(r_ptr[r]), **w_args,
+                        BACKWARD=backward, ACC64=acc64, BLOCK_B=block_b, BLOCK_C=block_c,
+                        VEC=max(1, 16 // itemsize),
                     )  # fmt: skip
-            n_here = sum(w_args[2])
-            if n_here:
-                grid = (triton.cdiv(n_here, _ZERO_COLS), triton.cdiv(batch, rows_per_program))
-                _zero_unwritten_kernel[grid](
-                    written_here,
-                    batch,
-                    n_here,
-                    rows_per_program,
-                    *w_args,
-                    BLOCK_B=_ZERO_ROWS,
-                    BLOCK_C=_ZERO_COLS,
-                )
+            grid = (triton.cdiv(n_here, _ZERO_COLS), triton.cdiv(batch, rows_per_program))
+            zero_kernel[grid](
+                written_ptr=written, batch=batch, n_cols=n_here,
+                rows_per_program=rows_per_program, **w_args,
+                BLOCK_B=_ZERO_ROWS, BLOCK_C=_ZERO_COLS,
+            )  # fmt: skip
+
+
+def _forward(pooled_embs, permutes, out_lengths, dtype=None, out=None) -> List[torch.Tensor]:
+    """The regroup of inputs of one dtype, without checks (they come before)."""
+    first = pooled_embs[0]
+    batch = first.size(0)
+    if out is None:
+        out_dtype = first.dtype if dtype is None else dtype
+        outs = [first.new_empty((batch, n), dtype=out_dtype) for n in out_lengths]
+    else:
+        outs = list(out)
+    if outs:
+        n_rows = max(1, int(permutes.size(0)))
+        avg = sum(int(o.size(1)) for o in outs) // n_rows
+        _run(pooled_embs, outs, permutes, batch, backward=False, avg_length=avg)
+    return outs
+
+
+def _backward(grad_outputs, permutes, out_shapes, in_lengths, batch_size, dtype):
+    """The gradients, without checks (they come before)."""
+    # Factories on a tensor of the device: no device lookup (fake tensors have none).
+    defined = [g for g in grad_outputs if g is not None]
+    if not defined:
+        return [permutes.new_zeros((batch_size, n), dtype=dtype) for n in in_lengths]
+    grads = [defined[0].new_empty((batch_size, n), dtype=dtype) for n in in_lengths]
+    reads: List[Optional[torch.Tensor]] = list(grad_outputs)
+    if len(reads) > MAX_TENSORS:
+        reads, permutes = _concatenated(reads, permutes, out_shapes)
+    n_rows = max(1, int(permutes.size(0)))
+    avg = sum(int(g.size(1)) for g in defined) // n_rows
+    acc = torch.float32 if dtype in _HALF else dtype
+    _run(reads, grads, permutes, batch_size, backward=True, avg_length=avg, acc_dtype=acc)
+    return grads
 
 
 def permute_multi_embedding_triton(
@@ -463,38 +542,22 @@ def permute_multi_embedding_triton(
                 [4., 5.]])]
     """
     op = "permute_multi_embedding"
-    if len(pooled_embs) == 0:
-        raise ValueError(f"kt_regroup.{op}: pooled_embs is empty")
-    _check_2d(op, "pooled_embs", pooled_embs)
+    _check_args(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths)
     first = pooled_embs[0]
-    _check_permutes(op, permutes, first.device)
-    batch = first.size(0)
     if out is None:
-        out_dtype = first.dtype if dtype is None else dtype
-        if out_dtype not in _TL_DTYPE:
-            raise TypeError(f"kt_regroup.{op}: cannot write {out_dtype}")
-        outs = [
-            torch.empty(batch, int(n), dtype=out_dtype, device=first.device) for n in out_lengths
-        ]
+        if dtype is not None and dtype not in _TL_DTYPE:
+            raise TypeError(f"kt_regroup.{op}: cannot write {dtype}")
     else:
-        outs = list(out)
-        _check_2d(op, "out", outs)
-        for j, o in enumerate(outs):
-            if (
-                o.size(0) != batch
-                or o.device != first.device
-                or (o.size(1) > 1 and o.stride(1) != 1)
-            ):
+        for j, o in enumerate(out):
+            if (o.dim() != 2 or o.size(0) != first.size(0) or o.device != first.device
+                    or (o.size(1) > 1 and o.stride(1) != 1)):  # fmt: skip
                 raise ValueError(
-                    f"kt_regroup.{op}: out[{j}] must be [{batch}, width] on {first.device} "
-                    f"with unit column stride, got {tuple(o.shape)} with strides {o.stride()} "
-                    f"on {o.device}"
+                    f"kt_regroup.{op}: out[{j}] must be [{first.size(0)}, width] on "
+                    f"{first.device} with unit column stride, got {tuple(o.shape)} with "
+                    f"strides {o.stride()} on {o.device}"
                 )
-    if outs:
-        n_rows = max(1, int(permutes.size(0)))
-        avg = sum(int(o.size(1)) for o in outs) // n_rows
-        _run(pooled_embs, outs, permutes, batch, backward=False, avg_length=avg)
-    return outs
+    with set_wrap_triton_enabled(False):
+        return _forward(pooled_embs, permutes, out_lengths, dtype, out)
 
 
 def permute_multi_embedding_backward_triton(
@@ -516,26 +579,9 @@ def permute_multi_embedding_backward_triton(
     op = "permute_multi_embedding_backward"
     if dtype not in _TL_DTYPE:
         raise TypeError(f"kt_regroup.{op}: cannot produce {dtype} gradients")
-    _check_2d(op, "grad_outputs", grad_outputs)
-    defined = [g for g in grad_outputs if g is not None]
-    device = defined[0].device if defined else permutes.device
-    _check_permutes(op, permutes, device)
-    for j, g in enumerate(grad_outputs):
-        if g is not None and g.size(0) != batch_size:
-            raise ValueError(
-                f"kt_regroup.{op}: grad_outputs[{j}] has {g.size(0)} rows, expected {batch_size}"
-            )
-    if not defined:
-        return [torch.zeros(batch_size, int(n), dtype=dtype, device=device) for n in in_lengths]
-    grads = [torch.empty(batch_size, int(n), dtype=dtype, device=device) for n in in_lengths]
-    reads: List[Optional[torch.Tensor]] = list(grad_outputs)
-    if len(reads) > MAX_TENSORS:
-        reads, permutes = _concatenated(reads, permutes, out_shapes)
-    n_rows = max(1, int(permutes.size(0)))
-    avg = sum(int(g.size(1)) for g in defined) // n_rows
-    acc = torch.float32 if dtype in _HALF else dtype
-    _run(reads, grads, permutes, batch_size, backward=True, avg_length=avg, acc_dtype=acc)
-    return grads
+    _check_args(op, grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size)
+    with set_wrap_triton_enabled(False):
+        return _backward(grad_outputs, permutes, out_shapes, in_lengths, batch_size, dtype)
 
 
 def _concatenated(
@@ -568,11 +614,32 @@ def _concatenated(
 
 
 # --- the ops' kernels (kt_regroup.ops registers them for CUDA, and CPU under the interpreter)
-# They check what the other kernels check. The plan's rows are bounds-checked where it is on
-# the host (CPU tensors); on a device they are not read back (no sync): the kernels clip
-# bad rows instead (see the module docstring). A dtype Triton does not take, or a plan on
-# another device than the data, returns NotImplemented: the op then runs the kernel that
-# served the device before.
+# They check what the library's kernels check (``_check_args``), except the plan's values:
+# on a device they are not read back (no sync): the kernels clip bad rows instead (see the
+# module docstring). A dtype Triton does not take, or a plan on another device than the
+# data, returns NotImplemented: the op then runs the kernel that served the device before.
+
+
+def _takes(tensors, permutes, dtype=None) -> bool:
+    """Whether these kernels serve the call (else the library's kernel does)."""
+    defined = [t for t in tensors if t is not None]
+    dtypes = {t.dtype for t in defined}
+    devices = {t.device for t in defined}
+    return (
+        dtypes <= set(_TL_DTYPE)
+        and (dtype is None or dtype in _TL_DTYPE)
+        and devices <= {permutes.device}
+    )
+
+
+def _widened(pooled_embs: List[torch.Tensor]) -> List[torch.Tensor]:
+    # Inputs of different dtypes (the fused cast) are first widened to their promoted
+    # dtype, exactly, in one extra copy of the narrower ones: a launch reads one dtype.
+    dtypes = {t.dtype for t in pooled_embs}
+    if len(dtypes) < 2:
+        return pooled_embs
+    wide = functools.reduce(torch.promote_types, dtypes)
+    return [t.to(wide) for t in pooled_embs]
 
 
 def permute_multi_embedding_to_triton(
@@ -585,26 +652,13 @@ def permute_multi_embedding_to_triton(
     op: str = "permute_multi_embedding_to",
 ) -> List[torch.Tensor]:
     """The op ``permute_multi_embedding_to`` (and, without ``dtype``,
-    ``permute_multi_embedding``). Inputs of different dtypes (the fused cast) are first
-    widened to their promoted dtype, exactly, in one extra copy of the narrower ones:
-    a launch reads one dtype. Inputs of one dtype take one pass."""
-    if len(pooled_embs) == 0:
-        raise ValueError(f"kt_regroup.{op}: pooled_embs is empty")
-    dtypes = {t.dtype for t in pooled_embs}
-    if dtype is None and len(dtypes) > 1:
-        raise TypeError(
-            f"kt_regroup.{op}: pooled_embs have dtypes {sorted(map(str, dtypes))}; all must "
-            "have one dtype (permute_multi_embedding_to with a dtype casts mixed inputs)"
-        )
-    if (not dtypes <= set(_TL_DTYPE) or (dtype is not None and dtype not in _TL_DTYPE)
-            or permutes.device != pooled_embs[0].device):
+    ``permute_multi_embedding``). Inputs of one dtype take one pass."""
+    if not _takes(pooled_embs, permutes, dtype):
         return NotImplemented
-    if len(dtypes) > 1:
-        wide = functools.reduce(torch.promote_types, dtypes)
-        pooled_embs = [t.to(wide) for t in pooled_embs]
-    return permute_multi_embedding_triton(
-        pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype=dtype
-    )
+    _check_args(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
+                same_dtype=dtype is None)
+    with set_wrap_triton_enabled(False):
+        return _forward(_widened(pooled_embs), permutes, out_lengths, dtype)
 
 
 def permute_multi_embedding_into_triton(
@@ -629,12 +683,10 @@ def permute_multi_embedding_backward_op_triton(
     batch_size: int,
     dtype: torch.dtype,
 ) -> List[torch.Tensor]:
-    """The op ``permute_multi_embedding_backward``: checks, then
-    :func:`permute_multi_embedding_backward_triton`."""
-    dtypes = {g.dtype for g in grad_outputs if g is not None}
-    devices = {g.device for g in grad_outputs if g is not None}
-    if (dtype not in _TL_DTYPE or not dtypes <= set(_TL_DTYPE) or len(dtypes) > 1
-            or devices - {permutes.device}):
+    """The op ``permute_multi_embedding_backward``: checks, then the kernels."""
+    if not _takes(grad_outputs, permutes, dtype) or len(
+        {g.dtype for g in grad_outputs if g is not None}
+    ) > 1:
         return NotImplemented
     return permute_multi_embedding_backward_triton(
         grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype
@@ -672,3 +724,100 @@ def register(lib: torch.library.Library, dispatch_key: str) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
             lib.impl(name, entry, dispatch_key, with_keyset=True)
+
+
+# --- inside compiled and exported graphs ----------------------------------------------------
+# Inductor treats the library's ops as opaque extern calls: a compiled or AOTInductor graph
+# calls them through the dispatcher, and an AOTInductor package loaded without this module
+# (a C++ predictor) gets the portable kernel. The triton_ops below run the same launches
+# through wrap_triton, so a trace records the Triton kernels themselves and Inductor
+# compiles them into its code (cubins in an AOTInductor package). The public ops are
+# rewritten into them where AOTAutograd functionalizes the graph (a FunctionalTensorMode
+# rule, the mechanism triton_op itself uses): by then autograd has split the step into
+# the forward and backward ops, so a training step gets Triton kernels both ways.
+# torch.export keeps the library's ops (its graph stays portable and serializable; its
+# AOTInductor compile is what decomposes them); so do CPU tensors and what these kernels
+# do not take (a dtype, a plan on another device): the library's kernels serve those.
+
+
+@torch.library.triton_op("kt_regroup::_permute_multi_embedding_triton", mutates_args=())
+def _permute_op(
+    pooled_embs: List[torch.Tensor],
+    permutes: torch.Tensor,
+    out_lengths: List[int],
+    dtype: Optional[torch.dtype],
+) -> List[torch.Tensor]:
+    """``permute_multi_embedding_to`` (``dtype=None``: ``permute_multi_embedding``) by the
+    Triton kernels; arguments as checked by the op's fake kernel."""
+    return _forward(_widened(pooled_embs), permutes, out_lengths, dtype)
+
+
+@torch.library.triton_op("kt_regroup::_permute_multi_embedding_backward_triton", mutates_args=())
+def _backward_op(
+    grad_outputs: List[Optional[torch.Tensor]],
+    permutes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    in_lengths: List[int],
+    batch_size: int,
+    dtype: torch.dtype,
+) -> List[torch.Tensor]:
+    """``permute_multi_embedding_backward`` by the Triton kernels."""
+    return _backward(grad_outputs, permutes, out_shapes, in_lengths, batch_size, dtype)
+
+
+def _export_keeps_ops() -> bool:
+    """True while torch.export traces (it keeps triton_ops undecomposed, and so do we)."""
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:  # a torch without the switch decomposes triton_ops everywhere
+        return False
+    return custom_triton_ops_decomposition_disabled()
+
+
+def _in_graph(types, tensors, permutes, dtype, one_dtype: bool) -> bool:
+    """Whether a functionalized call is rewritten into the triton_ops."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    defined = [t for t in tensors if t is not None]
+    return (
+        not _export_keeps_ops()  # torch.export: keep the library's op
+        and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is torch.Tensor for t in types)
+        and permutes.device.type == "cuda"
+        and _takes(tensors, permutes, dtype)
+        and (not one_dtype or len({t.dtype for t in defined}) <= 1)
+    )
+
+
+def _forward_rule(mode, func, types, args, kwargs):
+    pooled_embs, permutes, _in_shapes, _out_shapes, out_lengths, *rest = args
+    dtype = rest[0] if rest else (kwargs or {}).get("dtype")
+    if pooled_embs and _in_graph(types, pooled_embs, permutes, dtype, dtype is None):
+        with mode:
+            return _permute_op(pooled_embs, permutes, out_lengths, dtype)
+    return mode.__torch_dispatch__(func, types, args, kwargs)
+
+
+def _backward_rule(mode, func, types, args, kwargs):
+    grad_outputs, permutes, _in_shapes, out_shapes, in_lengths, batch_size, dtype = args
+    if _in_graph(types, grad_outputs, permutes, dtype, True):
+        with mode:
+            return _backward_op(grad_outputs, permutes, out_shapes, in_lengths, batch_size, dtype)
+    return mode.__torch_dispatch__(func, types, args, kwargs)
+
+
+def register_graph_rules(lib: torch.library.Library) -> None:
+    """Makes traces that functionalize (``torch.compile``, AOTInductor) rewrite the public
+    regroup ops on CUDA tensors into the triton_ops above (rules on ``lib``: destroying it
+    removes them). Eager calls are untouched (:func:`register` serves those)."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    rules = {
+        "permute_multi_embedding": _forward_rule,
+        "permute_multi_embedding_to": _forward_rule,
+        "permute_multi_embedding_backward": _backward_rule,
+    }
+    for name, rule in rules.items():
+        torch.library.register_torch_dispatch(
+            f"kt_regroup::{name}", FunctionalTensorMode, rule, lib=lib
+        )

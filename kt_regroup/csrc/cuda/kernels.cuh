@@ -1,0 +1,632 @@
+// The device code of permute.cu (the kernels of
+// torch.ops.kt_regroup.permute_multi_embedding{,_to,_backward}) and the planning of
+// their launches: nothing here calls the CUDA runtime. Included by permute.cu only.
+//
+// Design
+// ------
+// *Plan on the device, never read on the host.* The rows of `permutes`
+// ([in_tensor, out_tensor, in_offset, out_offset, length, next]) are read by the kernel;
+// output sizes come from out_lengths / in_lengths. The pointers, strides and widths of
+// the tensors travel as kernel arguments (`Tensors<N>`, by value): nothing is copied to
+// the device per call. Beyond N tensors on a side the launch is repeated per chunk.
+//
+// *Grid.* The first `zero_blocks` blocks of the grid fill the columns no row writes;
+// the others are one block per (permute row, tile of batch rows), the row index varying
+// fastest. A copy block moves its row's segment for its batch rows, in 16-byte vectors
+// where the segment, its row strides and its pointers are 16-byte aligned, else element
+// by element.
+//
+// *Columns no row writes* (gaps in an output, gradients of unused keys) are exact zeros,
+// written once: a zero block takes a tile of columns (the written tensors side by side)
+// and a range of batch rows, marks in shared memory the columns that some row writes
+// (every block scans the plan; it is small and cached), and stores zeros in the others.
+// Copy blocks and zero blocks write disjoint columns, so one launch does both.
+//
+// *Duplicates* (the backward): rows carry torchrec's chain in column 5 (the first
+// occurrence of a key points to the second; later ones hold minus the index of the next
+// one, or -len(permutes) at the end; keys used once hold 0). Only rows with next >= 0
+// work: such a block sums the gradient blocks of its chain in row order, in float32 for
+// float16/bfloat16 (float64 where either side is float64, PyTorch's promotion), and
+// stores each input-gradient element once. No atomics.
+//
+// *Bad rows* never make an access leave its tensor: writes are clipped to the written
+// tensor, reads outside the read tensor give 0, a tensor index outside the list makes
+// the row a no-op (its columns are zero-filled), and a chain walk stops after
+// len(permutes) steps. Where the plan is on the CPU it is checked in full first
+// (check_forward / check_backward, no sync); on the device it is not read back.
+//
+// *Dtypes.* The forward is a byte copy (any dtype). The fused cast of
+// permute_multi_embedding_to converts float32/float64/float16/bfloat16 inside the copy
+// exactly as torch's .to() rounds (c10's conversions); other casts go through .to() of
+// the inputs first. The backward takes float32/float64/float16/bfloat16 gradients; other
+// dtypes, and more than kMaxReads gradient outputs, take the portable path (which reads
+// the plan on the host).
+
+#pragma once
+
+#include "../kt_regroup.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace kt_regroup {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;  // independent loads in flight per thread
+constexpr int kMaxTensors = 32;  // tensors per side of a forward launch, and written by a backward one
+constexpr int kMaxReads = 64;  // gradient outputs one backward launch reads (all of them)
+constexpr int64_t kTileBytes = 32 * 1024;  // bytes a copy block moves (about)
+constexpr int kZeroCols = 2048;  // columns per zero block
+constexpr int64_t kMaxZeroBlocks = 512;  // each scans the whole plan
+
+// Element dtypes of the fused cast.
+enum DtypeCode : int8_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kOther = 4 };
+
+DtypeCode dtype_code(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kF32;
+    case at::kDouble: return kF64;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
+    default: return kOther;
+  }
+}
+
+// A dtype the fused cast and the backward take.
+bool is_float(c10::ScalarType t) {
+  return dtype_code(t) != kOther;
+}
+
+// Up to N tensors of one side, by value. Strides and widths in elements.
+template <int N>
+struct Tensors {
+  const char* ptr[N];
+  int64_t row_stride[N];
+  int64_t col_stride[N];
+  int64_t width[N];
+  int8_t dtype[N];  // DtypeCode, read by the fused cast
+  int32_t count;
+  int64_t lo;  // index of tensor 0 in the op's list
+};
+
+// The plan rows on the device (int32 or int64, any strides).
+struct Plan {
+  const void* data;
+  int64_t s0, s1, n_rows;
+  bool is64;
+
+  __device__ int64_t at(int64_t r, int k) const {
+    const int64_t o = r * s0 + k * s1;
+    return is64 ? static_cast<const int64_t*>(data)[o]
+                : static_cast<int64_t>(static_cast<const int32_t*>(data)[o]);
+  }
+};
+
+struct Launch {
+  Plan plan;
+  int64_t batch;
+  int64_t n_reads_total;  // forward: rows reading a tensor outside [0, this) are no-ops
+  int64_t tile_rows;  // batch rows per copy block
+  int64_t zero_blocks;  // the first blocks of the grid
+  int64_t zero_col_tiles;
+  int64_t zero_rows;  // batch rows per zero block
+  int64_t total_cols;  // columns of this launch's written tensors, side by side
+};
+
+struct Row {
+  int64_t read_t, write_t, read_off, write_off, length, next;
+};
+
+// Row r read in the direction of the pass: the forward reads inputs, the backward reads
+// gradient outputs (columns 1 and 3) and writes input gradients (0 and 2).
+template <bool kBackward>
+__device__ Row load_row(const Plan& p, int64_t r) {
+  Row row;
+  row.read_t = p.at(r, kBackward ? 1 : 0);
+  row.write_t = p.at(r, kBackward ? 0 : 1);
+  row.read_off = p.at(r, kBackward ? 3 : 2);
+  row.write_off = p.at(r, kBackward ? 2 : 3);
+  row.length = p.at(r, 4);
+  row.next = p.at(r, 5);
+  return row;
+}
+
+// The columns c in [lo, hi) of a segment (column off + c, c in [0, length)) that lie
+// inside [0, width); empty (lo >= hi) when none do. No overflow for any int64 values.
+struct Span {
+  int64_t lo, hi;
+};
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+__device__ __forceinline__ int64_t imax(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
+__device__ Span clip(int64_t off, int64_t length, int64_t width) {
+  if (length <= 0 || width <= 0 || off < -length) return {0, 0};
+  const int64_t lo = off >= 0 ? 0 : -off;  // -off <= length
+  int64_t hi;
+  if (off >= 0) {
+    hi = off >= width ? 0 : imin(length, width - off);
+  } else {  // width + (-off) fits in uint64
+    const uint64_t room = static_cast<uint64_t>(width) + static_cast<uint64_t>(-off);
+    hi = room < static_cast<uint64_t>(length) ? static_cast<int64_t>(room) : length;
+  }
+  return {lo, hi};
+}
+
+// Whether a row writes in this launch, and which columns of its written tensor.
+template <bool kBackward, int NW>
+__device__ bool writes(const Row& row, const Tensors<NW>& w, const Launch& L, int64_t& wt, Span& s) {
+  wt = row.write_t - w.lo;
+  if (wt < 0 || wt >= w.count) return false;
+  if (kBackward) {
+    if (row.next < 0) return false;  // not a chain head: its head writes these columns
+  } else if (row.read_t < 0 || row.read_t >= L.n_reads_total) {
+    return false;  // reads nothing: its columns are zero-filled
+  }
+  s = clip(row.write_off, row.length, w.width[wt]);
+  return s.lo < s.hi;
+}
+
+// Calls load(b, j) then store(b, j, value) for each element (b, j) of a rows x cols tile,
+// kUnroll loads in flight per thread; consecutive threads take consecutive columns.
+template <typename T, typename Load, typename Store>
+__device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
+  const int64_t total = rows * cols;
+  if (total <= 0) return;
+  // Stepping by kThreads elements without a division per element.
+  const int64_t step_b = kThreads / cols, step_j = kThreads % cols;
+  int64_t b = threadIdx.x / cols, j = threadIdx.x % cols;
+  for (int64_t i = threadIdx.x; i < total; i += int64_t(kThreads) * kUnroll) {
+    T v[kUnroll];
+    int64_t bs[kUnroll], js[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      bs[u] = b;
+      js[u] = j;
+      if (i + int64_t(u) * kThreads < total) v[u] = load(b, j);
+      b += step_b;
+      j += step_j;
+      if (j >= cols) {
+        j -= cols;
+        ++b;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (i + int64_t(u) * kThreads < total) store(bs[u], js[u], v[u]);
+    }
+  }
+}
+
+// A plain element of ES bytes (a byte copy moves any dtype).
+template <int ES>
+struct Bytes;
+template <> struct Bytes<1> { using type = uint8_t; };
+template <> struct Bytes<2> { using type = uint16_t; };
+template <> struct Bytes<4> { using type = uint32_t; };
+template <> struct Bytes<8> { using type = uint64_t; };
+struct alignas(8) Pair64 {
+  uint64_t a, b;
+};
+template <> struct Bytes<16> { using type = Pair64; };
+
+// Fills the columns of this launch's written tensors that no row writes with zeros
+// (all-zero bytes: +0.0, 0, false), for the block's tile of columns and batch rows.
+template <bool kBackward, int ES, int NW>
+__device__ void zero_block(const Launch& L, const Tensors<NW>& w, int64_t blk) {
+  using E = typename Bytes<ES>::type;
+  __shared__ bool covered[kZeroCols];
+  __shared__ int64_t first[NW + 1];  // first flat column of each written tensor
+  const int64_t tile = blk % L.zero_col_tiles;
+  const int64_t c0 = tile * kZeroCols;
+  const int64_t n_cols = imin(kZeroCols, L.total_cols - c0);
+  for (int k = threadIdx.x; k < kZeroCols; k += kThreads) covered[k] = false;
+  if (threadIdx.x == 0) {
+    first[0] = 0;
+    for (int k = 0; k < w.count; ++k) first[k + 1] = first[k] + w.width[k];
+  }
+  __syncthreads();
+  for (int64_t r = threadIdx.x; r < L.plan.n_rows; r += kThreads) {
+    const Row row = load_row<kBackward>(L.plan, r);
+    int64_t wt;
+    Span s;
+    if (!writes<kBackward>(row, w, L, wt, s)) continue;
+    // Flat columns [first + off + lo, first + off + hi), inside the tensor, within the tile.
+    const int64_t a = imax(first[wt] + row.write_off + s.lo, c0);
+    const int64_t e = imin(first[wt] + row.write_off + s.hi, c0 + n_cols);
+    for (int64_t c = a; c < e; ++c) covered[c - c0] = true;
+  }
+  __syncthreads();
+  bool gap = false;
+  for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) gap |= !covered[k];
+  if (!__syncthreads_or(gap)) return;
+  const int64_t b0 = (blk / L.zero_col_tiles) * L.zero_rows;
+  const int64_t b1 = imin(L.batch, b0 + L.zero_rows);
+  for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) {
+    if (covered[k]) continue;
+    const int64_t c = c0 + k;
+    int t = 0;
+    while (t + 1 < w.count && c >= first[t + 1]) ++t;
+    E* dst = reinterpret_cast<E*>(const_cast<char*>(w.ptr[t])) + (c - first[t]);
+    const int64_t rs = w.row_stride[t];
+    for (int64_t b = b0; b < b1; ++b) dst[b * rs] = E{};
+  }
+}
+
+// The forward as a byte copy: elements of ES bytes, inputs of the outputs' dtype.
+template <int ES>
+__global__ void __launch_bounds__(kThreads) permute_copy_kernel(
+    const Launch L, const Tensors<kMaxTensors> in, const Tensors<kMaxTensors> out) {
+  using E = typename Bytes<ES>::type;
+  int64_t blk = blockIdx.x;
+  if (blk < L.zero_blocks) return zero_block<false, ES>(L, out, blk);
+  blk -= L.zero_blocks;
+  const int64_t r = blk % L.plan.n_rows;
+  const Row row = load_row<false>(L.plan, r);
+  int64_t wt;
+  Span s;
+  if (!writes<false>(row, out, L, wt, s)) return;
+  const int64_t rt = row.read_t - in.lo;
+  if (rt < 0 || rt >= in.count) return;  // another launch's input
+  const int64_t b0 = (blk / L.plan.n_rows) * L.tile_rows;
+  const int64_t rows = imin(L.batch - b0, L.tile_rows);
+  const int64_t cols = s.hi - s.lo;
+  char* dst = const_cast<char*>(out.ptr[wt]) + (row.write_off + s.lo) * ES;
+  const int64_t drs = out.row_stride[wt];
+  const Span rd = clip(row.read_off, row.length, in.width[rt]);
+  const bool readable = rd.lo <= s.lo && rd.hi >= s.hi;  // every column of the tile
+  const int64_t srs = in.row_stride[rt], scs = in.col_stride[rt];
+  if (readable) {
+    const char* src = in.ptr[rt] + (row.read_off + s.lo) * scs * ES;
+    const int64_t row_bytes = cols * ES;
+    if ((scs == 1 || cols == 1) && row_bytes % 16 == 0 && (drs * ES) % 16 == 0 &&
+        (srs * ES) % 16 == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 &&
+        (reinterpret_cast<uintptr_t>(src) % 16) == 0) {
+      const int64_t v_srs = srs * ES / 16, v_drs = drs * ES / 16;
+      const uint4* vs = reinterpret_cast<const uint4*>(src) + b0 * v_srs;
+      uint4* vd = reinterpret_cast<uint4*>(dst) + b0 * v_drs;
+      for_tile<uint4>(
+          rows, row_bytes / 16, [&](int64_t b, int64_t j) { return vs[b * v_srs + j]; },
+          [&](int64_t b, int64_t j, const uint4& v) { vd[b * v_drs + j] = v; });
+      return;
+    }
+  }
+  const E* src = reinterpret_cast<const E*>(in.ptr[rt]);
+  E* d = reinterpret_cast<E*>(dst);
+  for_tile<E>(
+      rows, cols,
+      [&](int64_t b, int64_t j) {
+        const int64_t c = s.lo + j;
+        return (c >= rd.lo && c < rd.hi) ? src[(b0 + b) * srs + (row.read_off + c) * scs] : E{};
+      },
+      [&](int64_t b, int64_t j, const E& v) { d[(b0 + b) * drs + j] = v; });
+}
+
+// x converted as torch's .to() converts it (c10's rounding; float16/bfloat16 from float).
+template <typename Dst, typename Src>
+__device__ __forceinline__ Dst convert(Src x) {
+  return static_cast<Dst>(x);
+}
+
+template <typename Dst>
+__device__ __forceinline__ Dst load_as(const char* p, int8_t code) {
+  switch (code) {
+    case kF32: return convert<Dst>(*reinterpret_cast<const float*>(p));
+    case kF64: return convert<Dst>(*reinterpret_cast<const double*>(p));
+    case kF16: return convert<Dst>(static_cast<float>(*reinterpret_cast<const c10::Half*>(p)));
+    default: return convert<Dst>(static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(p)));
+  }
+}
+
+// The forward with the cast fused in: inputs of float dtypes (each its own), outputs Dst.
+template <typename Dst>
+__global__ void __launch_bounds__(kThreads) permute_cast_kernel(
+    const Launch L, const Tensors<kMaxTensors> in, const Tensors<kMaxTensors> out) {
+  int64_t blk = blockIdx.x;
+  if (blk < L.zero_blocks) return zero_block<false, sizeof(Dst)>(L, out, blk);
+  blk -= L.zero_blocks;
+  const Row row = load_row<false>(L.plan, blk % L.plan.n_rows);
+  int64_t wt;
+  Span s;
+  if (!writes<false>(row, out, L, wt, s)) return;
+  const int64_t rt = row.read_t - in.lo;
+  if (rt < 0 || rt >= in.count) return;
+  const int64_t b0 = (blk / L.plan.n_rows) * L.tile_rows;
+  const int64_t rows = imin(L.batch - b0, L.tile_rows);
+  Dst* dst = reinterpret_cast<Dst*>(const_cast<char*>(out.ptr[wt])) + row.write_off + s.lo;
+  const int64_t drs = out.row_stride[wt];
+  const Span rd = clip(row.read_off, row.length, in.width[rt]);
+  const char* src = in.ptr[rt];
+  const int64_t srs = in.row_stride[rt], scs = in.col_stride[rt];
+  const int8_t code = in.dtype[rt];
+  const int es = code == kF64 ? 8 : code == kF32 ? 4 : 2;
+  for_tile<Dst>(
+      rows, s.hi - s.lo,
+      [&](int64_t b, int64_t j) {
+        const int64_t c = s.lo + j;
+        if (c < rd.lo || c >= rd.hi) return Dst(0);
+        return load_as<Dst>(src + ((b0 + b) * srs + (row.read_off + c) * scs) * es, code);
+      },
+      [&](int64_t b, int64_t j, const Dst& v) { dst[(b0 + b) * drs + j] = v; });
+}
+
+template <typename T>
+struct Accumulate {
+  using type = T;
+};
+template <> struct Accumulate<c10::Half> { using type = float; };
+template <> struct Accumulate<c10::BFloat16> { using type = float; };
+
+// One gradient block of a chain: the head's columns c in [lo, hi) read
+// grads[t][b, off + c].
+struct Link {
+  const char* ptr;
+  int64_t rs, cs, off, lo, hi;
+};
+constexpr int kMaxLinks = 16;  // longer chains walk the plan per element
+
+// The backward: chain heads sum their chain's gradient blocks (G) into input gradients (D).
+template <typename G, typename D>
+__global__ void __launch_bounds__(kThreads) permute_backward_kernel(
+    const Launch L, const Tensors<kMaxReads> grads, const Tensors<kMaxTensors> out) {
+  using Acc = typename Accumulate<D>::type;
+  // PyTorch adds a gradient to its accumulator in their promoted type.
+  constexpr bool kWide = std::is_same_v<Acc, double> || std::is_same_v<G, double>;
+  using Compute = std::conditional_t<kWide, double, float>;
+  int64_t blk = blockIdx.x;
+  if (blk < L.zero_blocks) return zero_block<true, sizeof(D)>(L, out, blk);
+  blk -= L.zero_blocks;
+  const int64_t head = blk % L.plan.n_rows;
+  const Row row = load_row<true>(L.plan, head);
+  int64_t wt;
+  Span s;
+  if (!writes<true>(row, out, L, wt, s)) return;
+  const int64_t b0 = (blk / L.plan.n_rows) * L.tile_rows;
+  const int64_t rows = imin(L.batch - b0, L.tile_rows);
+  D* dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + row.write_off + s.lo;
+  const int64_t drs = out.row_stride[wt];
+  const int64_t n = L.plan.n_rows;
+  const auto add = [](Acc acc, const char* ptr, int64_t index) {
+    const G g = reinterpret_cast<const G*>(ptr)[index];
+    return static_cast<Acc>(static_cast<Compute>(acc) + static_cast<Compute>(g));
+  };
+  // The chain, walked once per block, in row order: the blocks that contribute.
+  __shared__ Link links[kMaxLinks];
+  __shared__ int n_links;  // -1: more than kMaxLinks
+  if (threadIdx.x == 0) {
+    int k = 0;
+    Row cur = row;
+    for (int64_t steps = 1;; ++steps) {
+      const int64_t gt = cur.read_t;  // gradient outputs are never chunked
+      if (gt >= 0 && gt < grads.count) {
+        const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
+        const int64_t lo = imax(rd.lo, s.lo), hi = imin(rd.hi, s.hi);
+        if (lo < hi) {
+          if (k == kMaxLinks) {
+            k = -1;
+            break;
+          }
+          links[k++] = Link{
+              grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off, lo, hi};
+        }
+      }
+      // A head's link is the next row itself; later rows hold minus the next one.
+      const int64_t next = steps == 1 ? cur.next : -cur.next;
+      if (next <= 0 || next >= n || steps >= n) break;
+      cur = load_row<true>(L.plan, next);
+    }
+    n_links = k;
+  }
+  __syncthreads();
+  const int count = n_links;
+  const auto store = [&](int64_t b, int64_t j, const Acc& v) {
+    dst[(b0 + b) * drs + j] = static_cast<D>(v);
+  };
+  if (count == 1) {  // a key used once: one block, its bounds in registers
+    const Link l = links[0];
+    if constexpr (std::is_same_v<G, D>) {
+      // 16-byte vectors where the block covers the whole segment and is aligned.
+      constexpr int64_t kVec = 16 / sizeof(G);
+      const int64_t cols = s.hi - s.lo;
+      const char* src = l.ptr + (l.off + s.lo) * sizeof(G);
+      if (l.lo == s.lo && l.hi == s.hi && (l.cs == 1 || cols == 1) && cols % kVec == 0 &&
+          l.rs % kVec == 0 && drs % kVec == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+        const uint4* vs = reinterpret_cast<const uint4*>(src) + b0 * (l.rs / kVec);
+        uint4* vd = reinterpret_cast<uint4*>(dst) + b0 * (drs / kVec);
+        for_tile<uint4>(
+            rows, cols / kVec, [&](int64_t b, int64_t j) { return vs[b * (l.rs / kVec) + j]; },
+            [&](int64_t b, int64_t j, const uint4& v) {
+              G g[kVec];
+              memcpy(g, &v, 16);
+              D d[kVec];
+#pragma unroll
+              for (int k = 0; k < kVec; ++k) {  // 0 + g, as the accumulation computes it
+                d[k] = static_cast<D>(static_cast<Acc>(
+                    static_cast<Compute>(Acc(0)) + static_cast<Compute>(g[k])));
+              }
+              uint4 out;
+              memcpy(&out, d, 16);
+              vd[b * (drs / kVec) + j] = out;
+            });
+        return;
+      }
+    }
+    for_tile<Acc>(
+        rows, s.hi - s.lo,
+        [&](int64_t b, int64_t j) {
+          const int64_t c = s.lo + j;
+          return c >= l.lo && c < l.hi ? add(Acc(0), l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs)
+                                       : Acc(0);
+        },
+        store);
+  } else if (count >= 0) {
+    for_tile<Acc>(
+        rows, s.hi - s.lo,
+        [&](int64_t b, int64_t j) {
+          const int64_t c = s.lo + j;
+          Acc acc = Acc(0);
+          for (int k = 0; k < count; ++k) {
+            const Link& l = links[k];
+            if (c >= l.lo && c < l.hi) acc = add(acc, l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs);
+          }
+          return acc;
+        },
+        store);
+  } else {  // a long chain: walked per element
+    for_tile<Acc>(
+        rows, s.hi - s.lo,
+        [&](int64_t b, int64_t j) {
+          const int64_t c = s.lo + j;
+          Acc acc = Acc(0);
+          Row cur = row;
+          for (int64_t steps = 1;; ++steps) {
+            const int64_t gt = cur.read_t;
+            if (gt >= 0 && gt < grads.count) {
+              const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
+              if (c >= rd.lo && c < rd.hi) {
+                acc = add(acc, grads.ptr[gt],
+                          (b0 + b) * grads.row_stride[gt] + (cur.read_off + c) * grads.col_stride[gt]);
+              }
+            }
+            const int64_t next = steps == 1 ? cur.next : -cur.next;
+            if (next <= 0 || next >= n || steps >= n) break;
+            cur = load_row<true>(L.plan, next);
+          }
+          return acc;
+        },
+        store);
+  }
+}
+
+// A launch's arguments stay within the 4 KiB every CUDA version and GPU accepts.
+static_assert(
+    sizeof(Launch) + sizeof(Tensors<kMaxReads>) + sizeof(Tensors<kMaxTensors>) <= 4000,
+    "kernel arguments over 4 KiB");
+
+// ---- host side ------------------------------------------------------------------------
+
+template <int N>
+Tensors<N> table(const std::vector<const at::Tensor*>& tensors, size_t lo, size_t count) {
+  Tensors<N> t{};
+  t.count = static_cast<int32_t>(count);
+  t.lo = static_cast<int64_t>(lo);
+  for (size_t k = 0; k < count; ++k) {
+    const at::Tensor* x = tensors[lo + k];
+    if (x == nullptr) {  // an undefined gradient: width 0, never read
+      t.dtype[k] = kOther;
+      continue;
+    }
+    t.ptr[k] = static_cast<const char*>(x->const_data_ptr());
+    t.row_stride[k] = x->stride(0);
+    t.col_stride[k] = x->stride(1);
+    t.width[k] = x->size(1);
+    t.dtype[k] = dtype_code(x->scalar_type());
+  }
+  return t;
+}
+
+Plan device_plan(const at::Tensor& permutes) {
+  return Plan{
+      permutes.const_data_ptr(), permutes.stride(0), permutes.stride(1), permutes.size(0),
+      permutes.scalar_type() == at::kLong};
+}
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+int64_t pow2_floor(int64_t x) {
+  int64_t p = 1;
+  while (p * 2 <= x) p *= 2;
+  return p;
+}
+
+// Grid and tile sizes of one launch writing `total_cols` columns (of `es`-byte elements).
+Launch plan_launch(
+    const at::Tensor& permutes, int64_t batch, int64_t n_reads_total, int64_t total_cols,
+    int64_t es, bool zero_fill) {
+  Launch L{};
+  L.plan = device_plan(permutes);
+  L.batch = batch;
+  L.n_reads_total = n_reads_total;
+  L.total_cols = total_cols;
+  const int64_t n_rows = std::max<int64_t>(1, permutes.size(0));
+  // Segments are about total_cols / n_rows wide: a tile of about kTileBytes.
+  const int64_t row_bytes = std::max<int64_t>(1, total_cols / n_rows * es);
+  L.tile_rows = std::min(pow2_floor(std::max<int64_t>(1, kTileBytes / row_bytes)), batch);
+  if (zero_fill && total_cols > 0) {
+    L.zero_col_tiles = ceil_div(total_cols, kZeroCols);
+    const int64_t chunks = std::clamp<int64_t>(
+        kMaxZeroBlocks / L.zero_col_tiles, 1, ceil_div(batch, 32));
+    L.zero_rows = ceil_div(batch, chunks);
+    L.zero_blocks = L.zero_col_tiles * ceil_div(batch, L.zero_rows);
+  }
+  return L;
+}
+
+int64_t grid_blocks(const Launch& L) {
+  const int64_t copy = L.plan.n_rows * ceil_div(L.batch, std::max<int64_t>(1, L.tile_rows));
+  const int64_t blocks = L.zero_blocks + copy;
+  TORCH_CHECK(
+      blocks <= std::numeric_limits<int32_t>::max(), "kt_regroup: ", blocks,
+      " thread blocks are more than one CUDA launch takes");
+  return blocks;
+}
+
+// Calls launch(L, reads, writes, blocks) for each launch of a forward: per chunk of
+// kMaxTensors outputs and, within it, of inputs (the first launch of a chunk fills its
+// gaps with zeros).
+template <typename Fn>
+void forward_launches(
+    const at::Tensor& plan, const TensorPtrs& inputs, const TensorPtrs& outs, int64_t batch,
+    int64_t es, Fn launch) {
+  for (size_t w_lo = 0; w_lo < outs.size(); w_lo += kMaxTensors) {
+    const size_t w_n = std::min<size_t>(kMaxTensors, outs.size() - w_lo);
+    int64_t cols = 0;
+    for (size_t k = 0; k < w_n; ++k) cols += outs[w_lo + k]->size(1);
+    if (cols == 0) continue;
+    const auto w = table<kMaxTensors>(outs, w_lo, w_n);
+    for (size_t r_lo = 0; r_lo < inputs.size(); r_lo += kMaxTensors) {
+      const size_t r_n = std::min<size_t>(kMaxTensors, inputs.size() - r_lo);
+      const Launch L = plan_launch(plan, batch, int64_t(inputs.size()), cols, es, r_lo == 0);
+      const int64_t blocks = grid_blocks(L);
+      if (blocks > 0) launch(L, table<kMaxTensors>(inputs, r_lo, r_n), w, blocks);
+    }
+  }
+}
+
+// The same for a backward: per chunk of kMaxTensors input gradients, each launch reading
+// every gradient output (at most kMaxReads).
+template <typename Fn>
+void backward_launches(
+    const at::Tensor& plan, const TensorPtrs& grads, const TensorPtrs& outs, int64_t batch,
+    int64_t es, Fn launch) {
+  TORCH_CHECK(grads.size() <= size_t(kMaxReads), "kt_regroup: more than ", kMaxReads, " gradients");
+  const auto g = table<kMaxReads>(grads, 0, grads.size());
+  for (size_t w_lo = 0; w_lo < outs.size(); w_lo += kMaxTensors) {
+    const size_t w_n = std::min<size_t>(kMaxTensors, outs.size() - w_lo);
+    int64_t cols = 0;
+    for (size_t k = 0; k < w_n; ++k) cols += outs[w_lo + k]->size(1);
+    if (cols == 0) continue;
+    const Launch L = plan_launch(plan, batch, int64_t(grads.size()), cols, es, true);
+    const int64_t blocks = grid_blocks(L);
+    if (blocks > 0) launch(L, g, table<kMaxTensors>(outs, w_lo, w_n), blocks);
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace kt_regroup

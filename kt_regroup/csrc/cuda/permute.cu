@@ -1,0 +1,275 @@
+// The CUDA kernels of torch.ops.kt_regroup.permute_multi_embedding{,_to,_backward}:
+// one launch per call, no host sync. (permute_multi_embedding_into stays with the
+// portable kernel: its checks read the plan on the host.)
+//
+// The design is described in kernels.cuh, with the kernels.
+
+#include "kernels.cuh"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace kt_regroup {
+namespace cuda {
+namespace {
+
+// Structure of a tensor list: 2-D, one device, one batch size, one dtype (unless cast).
+void check_list(const char* op, const char* name, const TensorPtrs& ts, bool same_dtype) {
+  const at::Tensor* first = nullptr;
+  size_t i0 = 0;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor* t = ts[i];
+    if (t == nullptr) continue;
+    TORCH_CHECK_VALUE(
+        t->dim() == 2, "kt_regroup.", op, ": ", name, "[", i,
+        "] must be 2-D [batch, width], got shape ", t->sizes());
+    if (first == nullptr) {
+      first = t;
+      i0 = i;
+      continue;
+    }
+    TORCH_CHECK_VALUE(
+        t->device() == first->device(), "kt_regroup.", op, ": ", name, "[", i, "] is on ",
+        t->device(), " but ", name, "[", i0, "] is on ", first->device(),
+        "; all must be on one device");
+    TORCH_CHECK_TYPE(
+        !same_dtype || t->scalar_type() == first->scalar_type(), "kt_regroup.", op, ": ", name,
+        "[", i, "] is ", t->scalar_type(), " but ", name, "[", i0, "] is ",
+        first->scalar_type(),
+        "; all must have one dtype (permute_multi_embedding_to with a dtype casts mixed inputs)");
+    TORCH_CHECK_VALUE(
+        t->size(0) == first->size(0), "kt_regroup.", op, ": ", name, "[", i,
+        "] has batch size ", t->size(0), " but ", name, "[", i0, "] has ", first->size(0),
+        "; all must have the same batch size");
+  }
+  TORCH_CHECK_VALUE(first != nullptr, "kt_regroup.", op, ": ", name, " is empty");
+}
+
+// Shapes and dtypes of a plan that lives on the device (its values are not read).
+void check_device_plan(
+    const char* op, const at::Tensor& permutes, const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes, size_t n_in, size_t n_out) {
+  TORCH_CHECK_VALUE(
+      permutes.dim() == 2 && permutes.size(1) == kPermuteColumns, "kt_regroup.", op,
+      ": permutes must have shape [n, ", kPermuteColumns,
+      "] (in_tensor, out_tensor, in_offset, out_offset, length, next), got ", permutes.sizes());
+  const std::pair<const char*, const at::Tensor*> named[] = {
+      {"permutes", &permutes}, {"in_shapes", &in_shapes}, {"out_shapes", &out_shapes}};
+  for (const auto& [name, t] : named) {
+    TORCH_CHECK_TYPE(
+        t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "kt_regroup.", op,
+        ": ", name, " must be int32 or int64, got ", t->scalar_type());
+    TORCH_CHECK_VALUE(
+        !t->is_meta(), "kt_regroup.", op, ": ", name,
+        " is on meta but the data is on cuda; metadata and data must be on real devices");
+  }
+  TORCH_CHECK_VALUE(
+      in_shapes.dim() == 1 && in_shapes.numel() == static_cast<int64_t>(n_in), "kt_regroup.", op,
+      ": in_shapes must have one entry per input tensor (", n_in, "), got shape ",
+      in_shapes.sizes());
+  TORCH_CHECK_VALUE(
+      out_shapes.dim() == 1 && out_shapes.numel() == static_cast<int64_t>(n_out), "kt_regroup.",
+      op, ": out_shapes must have one entry per output (", n_out, "), got shape ",
+      out_shapes.sizes());
+}
+
+void check_lengths(const char* op, const char* name, c10::IntArrayRef lengths) {
+  for (size_t j = 0; j < lengths.size(); ++j) {
+    TORCH_CHECK_VALUE(
+        lengths[j] >= 0, "kt_regroup.", op, ": ", name, "[", j, "] is negative (", lengths[j], ")");
+  }
+}
+
+bool on_host(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+  return a.is_cpu() && b.is_cpu() && c.is_cpu();
+}
+
+// The plan where the kernel reads it: the data's device.
+at::Tensor plan_on(const at::Tensor& permutes, c10::Device device) {
+  return permutes.device() == device ? permutes : permutes.to(device);
+}
+
+std::vector<at::Tensor> forward(
+    const char* op,
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths,
+    std::optional<c10::ScalarType> dtype) {
+  TORCH_CHECK_VALUE(!pooled_embs.empty(), "kt_regroup.", op, ": pooled_embs is empty");
+  if (on_host(permutes, in_shapes, out_shapes)) {  // checked in full, without a sync
+    check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, !dtype.has_value());
+  } else {
+    TensorPtrs ptrs;
+    for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
+    check_list(op, "pooled_embs", ptrs, !dtype.has_value());
+    check_device_plan(op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size());
+    check_lengths(op, "out_lengths", out_lengths);
+  }
+  const at::Tensor& first = pooled_embs[0];
+  TORCH_CHECK_VALUE(
+      first.is_cuda(), "kt_regroup.", op, ": pooled_embs[0] is on ", first.device(),
+      " but other arguments are on cuda; all must be on one device");
+  const c10::cuda::CUDAGuard guard(first.device());
+  const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
+  const int64_t batch = first.size(0);
+  std::vector<at::Tensor> outs;
+  int64_t total_cols = 0;
+  for (int64_t n : out_lengths) {
+    outs.push_back(at::empty({batch, n}, first.options().dtype(out_dtype)));
+    total_cols += n;
+  }
+  if (batch == 0 || total_cols == 0) return outs;
+  const at::Tensor plan = plan_on(permutes, first.device());
+
+  bool same = true, floats = is_float(out_dtype);
+  for (const at::Tensor& t : pooled_embs) {
+    same &= t.scalar_type() == out_dtype;
+    floats &= is_float(t.scalar_type());
+  }
+  const bool fused_cast = !same && floats;
+  // Byte copies read the outputs' dtype: other inputs are cast first (exotic casts only).
+  std::vector<at::Tensor> inputs;
+  for (const at::Tensor& t : pooled_embs) {
+    at::Tensor x = t.resolve_conj().resolve_neg();
+    inputs.push_back(fused_cast || x.scalar_type() == out_dtype ? x : x.to(out_dtype));
+  }
+  TensorPtrs in_ptrs, out_ptrs;
+  for (const at::Tensor& t : inputs) in_ptrs.push_back(&t);
+  for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
+
+  const int64_t es = outs[0].element_size();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  forward_launches(plan, in_ptrs, out_ptrs, batch, es, [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
+    if (fused_cast) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "kt_regroup_to", [&] {
+        permute_cast_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(L, r, w);
+      });
+    } else {
+      switch (es) {
+        case 1: permute_copy_kernel<1><<<blocks, kThreads, 0, stream>>>(L, r, w); break;
+        case 2: permute_copy_kernel<2><<<blocks, kThreads, 0, stream>>>(L, r, w); break;
+        case 4: permute_copy_kernel<4><<<blocks, kThreads, 0, stream>>>(L, r, w); break;
+        case 8: permute_copy_kernel<8><<<blocks, kThreads, 0, stream>>>(L, r, w); break;
+        case 16: permute_copy_kernel<16><<<blocks, kThreads, 0, stream>>>(L, r, w); break;
+        default: TORCH_CHECK(false, "kt_regroup.", op, ": no CUDA copy of ", es, "-byte elements");
+      }
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return outs;
+}
+
+std::vector<at::Tensor> permute_multi_embedding_cuda(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths) {
+  return forward(
+      "permute_multi_embedding", pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
+      std::nullopt);
+}
+
+std::vector<at::Tensor> permute_multi_embedding_to_cuda(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths,
+    std::optional<c10::ScalarType> dtype) {
+  return forward(
+      "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
+      dtype);
+}
+
+std::vector<at::Tensor> permute_multi_embedding_backward_cuda(
+    const c10::List<std::optional<at::Tensor>>& grad_outputs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size,
+    c10::ScalarType dtype) {
+  constexpr const char* op = "permute_multi_embedding_backward";
+  std::vector<std::optional<at::Tensor>> held;
+  const TensorPtrs grads = grad_pointers(grad_outputs, held);
+  const at::Tensor* defined = nullptr;
+  for (const at::Tensor* g : grads) {
+    if (g && !defined) defined = g;
+  }
+  const c10::Device device = defined ? defined->device() : permutes.device();
+  const bool kernel_dtypes = is_float(dtype) && (!defined || is_float(defined->scalar_type()));
+  if (on_host(permutes, in_shapes, out_shapes) || !kernel_dtypes || grads.size() > kMaxReads) {
+    // Checked in full (a sync where the plan is on the device, only on the portable path).
+    const std::vector<Segment> segments =
+        check_backward(op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size);
+    if (!kernel_dtypes || grads.size() > kMaxReads) {
+      return backward_by_segments(grads, segments, in_lengths, batch_size, dtype, device);
+    }
+  } else {
+    if (defined) check_list(op, "grad_outputs", grads, /*same_dtype=*/true);
+    TORCH_CHECK_VALUE(
+        batch_size >= 0, "kt_regroup.", op, ": batch_size is negative (", batch_size, ")");
+    for (size_t j = 0; j < grads.size(); ++j) {
+      TORCH_CHECK_VALUE(
+          !grads[j] || grads[j]->size(0) == batch_size, "kt_regroup.", op, ": grad_outputs[", j,
+          "] has ", grads[j] ? grads[j]->size(0) : 0, " rows, expected ", batch_size);
+    }
+    check_device_plan(op, permutes, in_shapes, out_shapes, in_lengths.size(), grads.size());
+    check_lengths(op, "in_lengths", in_lengths);
+  }
+  TORCH_CHECK_VALUE(
+      device.is_cuda(), "kt_regroup.", op, ": the gradients are on ", device,
+      " but other arguments are on cuda; all must be on one device");
+  const c10::cuda::CUDAGuard guard(device);
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  std::vector<at::Tensor> outs;
+  int64_t total_cols = 0;
+  for (int64_t n : in_lengths) {
+    outs.push_back(defined ? at::empty({batch_size, n}, options) : at::zeros({batch_size, n}, options));
+    total_cols += n;
+  }
+  if (!defined || batch_size == 0 || total_cols == 0) return outs;
+  const at::Tensor plan = plan_on(permutes, device);
+  TensorPtrs out_ptrs;
+  for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
+  const int64_t es = outs[0].element_size();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const c10::ScalarType grad_dtype = defined->scalar_type();
+  backward_launches(plan, grads, out_ptrs, batch_size, es, [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_dtype, "kt_regroup_backward", [&] {
+      using grad_t = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward", [&] {
+        permute_backward_kernel<grad_t, scalar_t><<<blocks, kThreads, 0, stream>>>(L, g, w);
+      });
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return outs;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace kt_regroup
+
+// Present only in a library built with CUDA (kt_regroup/ops.py, tests).
+extern "C" int kt_regroup_built_with_cuda() {
+  return 1;
+}
+
+TORCH_LIBRARY_IMPL(kt_regroup, CUDA, m) {
+  m.impl("permute_multi_embedding", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_cuda));
+  m.impl("permute_multi_embedding_to", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_to_cuda));
+  m.impl(
+      "permute_multi_embedding_backward",
+      TORCH_FN(kt_regroup::cuda::permute_multi_embedding_backward_cuda));
+}

@@ -1,0 +1,167 @@
+// Runs the device code of kt_regroup/csrc/cuda (kernels.cuh) on the CPU: each thread
+// block as kThreads std::threads with a std::barrier for __syncthreads, blocks one after
+// another, so __shared__ arrays can be statics. The launches are planned by the same
+// host code (forward_launches / backward_launches) as in permute.cu; what this file
+// adds is the emulation and the outputs' allocation, which (unlike permute.cu) fills
+// them with a marker so that an element no kernel writes shows. Built and driven by
+// tests/test_kernel_emulation.py; machines without a GPU test the kernels' logic here.
+
+#include <atomic>
+#include <barrier>
+#include <cstdint>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__ static
+
+struct EmulatedIndex {
+  unsigned x = 0;
+};
+thread_local EmulatedIndex threadIdx, blockIdx;
+struct uint4 {
+  unsigned x, y, z, w;
+};
+
+namespace emulation {
+inline std::barrier<>* barrier = nullptr;
+inline std::atomic<int> flag[2];
+thread_local int generation = 0;
+}  // namespace emulation
+
+inline void __syncthreads() {
+  emulation::barrier->arrive_and_wait();
+}
+
+inline int __syncthreads_or(int predicate) {
+  const int g = emulation::generation++ & 1;
+  if (predicate) emulation::flag[g].store(1);
+  emulation::barrier->arrive_and_wait();
+  const int any = emulation::flag[g].load();
+  emulation::barrier->arrive_and_wait();
+  if (threadIdx.x == 0) emulation::flag[g].store(0);
+  return any;
+}
+
+#include "kernels.cuh"
+
+#include <torch/extension.h>
+
+namespace kt_regroup::cuda {
+namespace {
+
+template <typename Kernel, typename... Args>
+void emulate(Kernel kernel, int64_t blocks, const Args&... args) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    std::barrier<> barrier(kThreads);
+    emulation::barrier = &barrier;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        blockIdx.x = static_cast<unsigned>(b);
+        threadIdx.x = static_cast<unsigned>(t);
+        kernel(args...);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+}
+
+// Outputs filled with a marker (NaN, or -77) that no correct kernel leaves behind.
+at::Tensor marked(int64_t batch, int64_t width, c10::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype);
+  if (dtype == at::kBool) return at::ones({batch, width}, options);
+  if (at::isFloatingType(dtype) || at::isComplexType(dtype)) {
+    return at::full({batch, width}, std::numeric_limits<double>::quiet_NaN(), options);
+  }
+  return at::full({batch, width}, -77, options);
+}
+
+// permute.cu's forward() without its argument checks and CUDA runtime calls.
+std::vector<at::Tensor> forward(
+    const std::vector<at::Tensor>& pooled_embs,
+    const at::Tensor& plan,
+    const std::vector<int64_t>& out_lengths,
+    std::optional<c10::ScalarType> dtype) {
+  const at::Tensor& first = pooled_embs[0];
+  const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
+  const int64_t batch = first.size(0);
+  std::vector<at::Tensor> outs;
+  for (int64_t n : out_lengths) outs.push_back(marked(batch, n, out_dtype));
+  if (batch == 0) return outs;
+  bool same = true, floats = is_float(out_dtype);
+  for (const at::Tensor& t : pooled_embs) {
+    same &= t.scalar_type() == out_dtype;
+    floats &= is_float(t.scalar_type());
+  }
+  const bool fused_cast = !same && floats;
+  std::vector<at::Tensor> inputs;
+  for (const at::Tensor& t : pooled_embs) {
+    at::Tensor x = t.resolve_conj().resolve_neg();
+    inputs.push_back(fused_cast || x.scalar_type() == out_dtype ? x : x.to(out_dtype));
+  }
+  TensorPtrs in_ptrs, out_ptrs;
+  for (const at::Tensor& t : inputs) in_ptrs.push_back(&t);
+  for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
+  const int64_t es = outs[0].element_size();
+  forward_launches(plan, in_ptrs, out_ptrs, batch, es, [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
+    if (fused_cast) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "emulated_to", [&] {
+        emulate(permute_cast_kernel<scalar_t>, blocks, L, r, w);
+      });
+      return;
+    }
+    switch (es) {
+      case 1: emulate(permute_copy_kernel<1>, blocks, L, r, w); break;
+      case 2: emulate(permute_copy_kernel<2>, blocks, L, r, w); break;
+      case 4: emulate(permute_copy_kernel<4>, blocks, L, r, w); break;
+      case 8: emulate(permute_copy_kernel<8>, blocks, L, r, w); break;
+      case 16: emulate(permute_copy_kernel<16>, blocks, L, r, w); break;
+      default: TORCH_CHECK(false, "no copy of ", es, "-byte elements");
+    }
+  });
+  return outs;
+}
+
+// permute.cu's backward without its checks: float gradients, at least one defined.
+std::vector<at::Tensor> backward(
+    const std::vector<std::optional<at::Tensor>>& grad_outputs,
+    const at::Tensor& plan,
+    const std::vector<int64_t>& in_lengths,
+    int64_t batch,
+    c10::ScalarType dtype) {
+  TensorPtrs grads;
+  c10::ScalarType grad_dtype = dtype;
+  for (const auto& g : grad_outputs) {
+    grads.push_back(g.has_value() ? &*g : nullptr);
+    if (g.has_value()) grad_dtype = g->scalar_type();
+  }
+  std::vector<at::Tensor> outs;
+  for (int64_t n : in_lengths) outs.push_back(marked(batch, n, dtype));
+  if (batch == 0) return outs;
+  TensorPtrs out_ptrs;
+  for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
+  backward_launches(plan, grads, out_ptrs, batch, outs[0].element_size(), [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_dtype, "emulated_backward", [&] {
+      using grad_t = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "emulated_backward", [&] {
+        emulate(permute_backward_kernel<grad_t, scalar_t>, blocks, L, g, w);
+      });
+    });
+  });
+  return outs;
+}
+
+}  // namespace
+}  // namespace kt_regroup::cuda
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &kt_regroup::cuda::forward);
+  m.def("backward", &kt_regroup::cuda::backward);
+  m.attr("max_tensors") = kt_regroup::cuda::kMaxTensors;
+}
