@@ -3,7 +3,9 @@
 #   make test    - the test suite
 #   make lint    - ruff check (configured in pyproject.toml)
 #   make asan    - the op library built with AddressSanitizer (build/asan), fuzz cases run on it
-.PHONY: bench test setup asan lint
+#   make test-torch211 - the suite against torch 2.11 in .venv-torch211 (not in CI: a ~3 GB
+#                  venv, 15-25 min; scripts/check_torch211.sh)
+.PHONY: bench test setup asan lint test-torch211
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ASAN_CASES ?= 3000
@@ -22,3 +24,6 @@ lint: setup
 
 asan: setup
 	./scripts/asan.sh $(ASAN_CASES)
+
+test-torch211:
+	./scripts/check_torch211.sh $(PYTEST_ARGS)

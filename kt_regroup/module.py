@@ -29,6 +29,11 @@ from torchrec.types import CacheMixin, DataType
 from kt_regroup.functional import layout, permute
 from kt_regroup.plan import get_plan
 
+# Host work, run outside Dynamo: a layout error stays the library's own under torch.compile
+# (torch 2.11 wraps errors raised while tracing in TorchRuntimeError). torchrec, imported
+# above, has loaded Dynamo already, so this costs `import kt_regroup.module` nothing.
+_get_plan = torch.compiler.disable(get_plan)
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["KTRegroupAsDict", "RegroupPlanModule"]
@@ -164,7 +169,7 @@ class RegroupPlanModule(torch.nn.Module):
             keys, lengths, self.key_dim = layout(keyed_tensors, "KTRegroupAsDict")
             self.in_keys = [list(k) for k in keys]
             self.in_lengths = [list(n) for n in lengths]
-            plan = get_plan(keys, lengths, groups)  # layout errors
+            plan = _get_plan(keys, lengths, groups)  # layout errors
             if allow_views and self.key_dim == 1:
                 specs = plan.view_specs()
                 if any(s is not None for s in specs):

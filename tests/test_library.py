@@ -181,9 +181,12 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_silently(tmp_path):
     deps = next(p for p in map(pathlib.Path, sys.path) if p.name == "site-packages" and p.is_dir())
     (site / "deps.pth").write_text(f"{deps}\n")
     python = str(env_dir / "bin" / "python")
+    # Without the test's PYTHONPATH: a checkout on it (with the kt_regroup.egg-info that
+    # setuptools < 84 writes there) would be "already installed".
     install = subprocess.run(
         [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q",
          str(wheel)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": ""},
     )
     assert install.returncode == 0, install.stderr[-3000:]
     code = textwrap.dedent(PROBE) + "print(kt_regroup.__file__)\n"
