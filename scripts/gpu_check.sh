@@ -31,7 +31,7 @@
 #   KT_GPU_WHEELS (the wheels' folder, default .whl), KT_GPU_CHECK_NO_TORCHREC=1 (act as
 #   if torchrec did not import: the op-level path).
 # $OUT gets at most 5 files: gpu_check.md (the report: paste it), gpu_check.log (every
-# step's output), bench.json + bench.md (the benchmark's results.json and table.md), or
+# step's output), bench.json + bench.md (the op section of benchmarks/regroup.py, seed and scattered layouts), or
 # bench_op_level.json where torchrec is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -287,24 +287,33 @@ print("one training step (" + level + ") " + (
 EOF
 
 # --- the benchmark ----------------------------------------------------------------------------
-# The one place that names the benchmark's command line: it writes results.json and
-# table.md into the folder it is given.
-bench_command() {  # OUTPUT_DIR -> BENCH (an array)
-  local args=(--device_type cuda --layout seed,scattered --min_run_time 0.5 --time_limit_s 150)
-  [ "$DRY" = 1 ] && args=(--device_type cpu --preset quick --allocator default --batch_size 64)
-  BENCH=("$PY" -m kt_regroup.bench "${args[@]}" --duplicates both --run_backward both
-         --grad ones --no_serving --output "$1" --no_progress)
+# The one place that names the benchmark's command line: benchmarks/regroup.py's op section,
+# once per layout, each writing results.json and results.md into the folder it is given.
+bench_command() {  # LAYOUT OUTPUT_DIR -> BENCH (an array)
+  local args=(--device cuda)
+  [ "$DRY" = 1 ] && args=(--device cpu --quick)
+  BENCH=("$PY" -m benchmarks.regroup --section ops "${args[@]}" --ops-layout "$1" --output "$2")
 }
 if ! wanted bench; then
   say "- bench: not asked (--only $ONLY)"
 elif [ "$TORCHREC" = 1 ]; then
-  bench_command "$WORK/bench"
-  step bench 200 "${BENCH[@]}"
-  cp "$WORK/bench/results.json" "$OUT/bench.json" 2>/dev/null
-  if [ -f "$WORK/bench/table.md" ]; then
-    cp "$WORK/bench/table.md" "$OUT/bench.md"
-    { echo; echo "## Benchmark"; echo; cat "$WORK/bench/table.md"; } >>"$REPORT"
-  fi
+  for layout in seed scattered; do
+    bench_command "$layout" "$WORK/bench_$layout"
+    step "bench_$layout" 200 "${BENCH[@]}"
+  done
+  "$PY" - "$OUT/bench.json" "$WORK"/bench_*/results.json <<'EOF2'
+import json, sys
+records = []
+for path in sys.argv[2:]:
+    records += json.load(open(path))["sections"]["ops"]["records"]
+json.dump({"records": records}, open(sys.argv[1], "w"), indent=1)
+EOF2
+  for layout in seed scattered; do
+    if [ -f "$WORK/bench_$layout/results.md" ]; then
+      cat "$WORK/bench_$layout/results.md" >>"$OUT/bench.md"
+      { echo; echo "## Benchmark, $layout layout"; echo; cat "$WORK/bench_$layout/results.md"; } >>"$REPORT"
+    fi
+  done
 else  # op level: kt_regroup's op against copy_ of the same bytes, CUDA events
   step bench_op_level 120 "$PY" - "$OUT/bench_op_level.json" <<'EOF'
 import json, os, random, sys
@@ -373,34 +382,30 @@ fi
 if [ -f "$OUT/bench.json" ]; then
   "$PY" - "$OUT/bench.json" >"$WORK/goals.md" 2>&1 <<'EOF'
 import json, sys
-from kt_regroup.bench.providers import KT_REGROUP_BASELINE
-
-rows = [r for r in json.load(open(sys.argv[1]))["records"]
-        if r["suite"] == "main" and r["allocator"] == "default" and r["n"] > 0]
+rows = [r for r in json.load(open(sys.argv[1]))["records"] if r["n"] > 0]
 cells = {}
 for r in rows:
-    cell = (r["layout"], r["dtype"], r["mode"], r.get("grad"), r["duplicates"])
-    cells.setdefault(cell, []).append(r)
+    cells.setdefault((r["layout"], r["mode"], r["duplicates"]), []).append(r)
 verdict = lambda ok: "n/a" if ok is None else ("yes" if ok else "**NO**")
-print("| layout | dtype | mode | dup | KTRegroupAsDict / copy_ | best kt_regroup row / copy_ "
-      "| <= 1.11 |")
+print("| layout | mode | dup | op / copy_ | KTRegroupAsDict / copy_ | <= 1.11 | peak memory |")
 print("|---|---|---|---|---|---|---|")
 best = {}
-for (layout, dtype, mode, grad, dup), rs in cells.items():
-    kt = [r for r in rs if r["family"] == "kt_regroup" and r.get("vs_copy")]
-    if not kt:
+for (layout, mode, dup), rs in cells.items():
+    op = next((r for r in rs if r["provider"] == "kt_regroup.permute_multi_embedding"), None)
+    mod = next((r for r in rs if r["provider"] == "kt_regroup.KTRegroupAsDict"), None)
+    if op is None or op.get("vs_copy") is None:
         continue
-    top = min(kt, key=lambda r: r["vs_copy"])
-    base = next((r["vs_copy"] for r in kt if r["provider"].startswith(KT_REGROUP_BASELINE)),
-                None)
-    best[(layout, dtype, mode, grad, dup)] = top["p50_s"]
-    print(f"| {layout} | {dtype} | {mode} | {dup} | {base or float('nan'):.2f} "
-          f"| {top['vs_copy']:.2f} ({top['provider']}) | {verdict(top['vs_copy'] <= 1.11)} |")
-for (layout, dtype, mode, grad, dup), t in best.items():
-    if dup and (layout, dtype, mode, grad, False) in best:
-        r = t / best[(layout, dtype, mode, grad, False)]
-        print(f"\n{layout} {dtype} {mode}: duplicates / no duplicates (best rows, P50) "
-              f"{r:.2f}: <= 1.05 {verdict(r <= 1.05)}")
+    best[(layout, mode, dup)] = op["p50_s"]
+    print(f"| {layout} | {mode} | {dup} | {op['vs_copy']:.2f} "
+          f"| {mod['vs_copy'] if mod and mod.get('vs_copy') else float('nan'):.2f} "
+          f"| {verdict(op['vs_copy'] <= 1.11)} | {op.get('mem_peak_bytes')} |")
+for (layout, mode, dup), t in best.items():
+    if dup and (layout, mode, False) in best:
+        r = t / best[(layout, mode, False)]
+        print(f"\n{layout} {mode}: duplicates / no duplicates (op, P50) {r:.2f}: "
+              f"<= 1.05 {verdict(r <= 1.05)}")
+print("\nfloat32 only: the op section has no dtype option; bf16 is measured by the op-level "
+      "step when torchrec is missing")
 EOF
   { echo; echo "## Goals (issue 17; ratios within this run)"; echo; cat "$WORK/goals.md"; } >>"$REPORT"
 fi
