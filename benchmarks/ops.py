@@ -53,8 +53,8 @@ def _providers(keys, lengths, groups, kts, expected, backward) -> Dict[str, Call
     return fns
 
 
-def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scattered"
-        ) -> Dict[str, object]:
+def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scattered",
+        dtype: str = "float32") -> Dict[str, object]:
     from torchrec.sparse.jagged_tensor import KeyedTensor, _regroup_keyed_tensors
 
     import kt_regroup
@@ -67,7 +67,8 @@ def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scatt
                                             duplicates=dup, seed=seed)
         n_segments = segments(kt_regroup.get_plan(keys, lengths, groups))
         gen = torch.Generator().manual_seed(seed)
-        base = [torch.randn(batch, sum(w), generator=gen).to(device) for w in lengths]
+        base = [torch.randn(batch, sum(w), generator=gen).to(device, getattr(torch, dtype))
+                for w in lengths]
         for mode in MODES:
             backward = mode != "forward"
             values = [v.clone().requires_grad_(backward) for v in base]
@@ -110,7 +111,8 @@ def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scatt
                 q = torch.tensor(ts, dtype=torch.float64).quantile(torch.tensor(
                     [0.5, 0.9], dtype=torch.float64)).tolist() if ts else [None, None]
                 records.append({
-                    "mode": mode, "layout": layout, "duplicates": dup, "batch_size": batch,
+                    "mode": mode, "layout": layout, "dtype": dtype, "duplicates": dup,
+                    "batch_size": batch,
                     "device": str(device), "threads": torch.get_num_threads(),
                     "segments": n_segments, "provider": n,
                     "samples_s": ts, "n": len(ts), "p50_s": q[0], "p90_s": q[1],

@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "op table on a GPU; the other sections run on CPU)")
     p.add_argument("--ops-layout", choices=["scattered", "seed"], default="scattered",
                    help="layout of the ops section (default scattered)")
+    p.add_argument("--ops-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the ops section's inputs (default float32)")
     s = p.add_argument_group("step section")
     s.add_argument("--batch-size", type=int, default=None, help="default 1024 (quick 64)")
     s.add_argument("--variants", type=_variants, default=None,
@@ -210,7 +212,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     run = {"step": lambda: run_step_section(args, argv, args.output),
            "serving": lambda: serving.run(quick=args.quick, out_dir=args.output),
            "ops": lambda: ops.run(quick=args.quick, seed=args.seed, device=args.device,
-                                  layout=args.ops_layout)}
+                                  layout=args.ops_layout, dtype=args.ops_dtype)}
     for section in (s for s in SECTIONS if s in args.section):
         t = time.perf_counter()
         results["sections"][section] = {**run[section](), "wall_s": time.perf_counter() - t}

@@ -288,18 +288,21 @@ EOF
 
 # --- the benchmark ----------------------------------------------------------------------------
 # The one place that names the benchmark's command line: benchmarks/regroup.py's op section,
-# once per layout, each writing results.json and results.md into the folder it is given.
-bench_command() {  # LAYOUT OUTPUT_DIR -> BENCH (an array)
+# once per layout and dtype, each writing results.json and results.md into the folder given.
+bench_command() {  # LAYOUT DTYPE OUTPUT_DIR -> BENCH (an array)
   local args=(--device cuda)
   [ "$DRY" = 1 ] && args=(--device cpu --quick)
-  BENCH=("$PY" -m benchmarks.regroup --section ops "${args[@]}" --ops-layout "$1" --output "$2")
+  BENCH=("$PY" -m benchmarks.regroup --section ops "${args[@]}" --ops-layout "$1"
+         --ops-dtype "$2" --output "$3")
 }
+BENCH_CELLS="seed:float32 scattered:float32 seed:bfloat16 scattered:bfloat16"
+[ "$DRY" = 1 ] && BENCH_CELLS="seed:float32 scattered:bfloat16"
 if ! wanted bench; then
   say "- bench: not asked (--only $ONLY)"
 elif [ "$TORCHREC" = 1 ]; then
-  for layout in seed scattered; do
-    bench_command "$layout" "$WORK/bench_$layout"
-    step "bench_$layout" 200 "${BENCH[@]}"
+  for cell in $BENCH_CELLS; do
+    bench_command "${cell%:*}" "${cell#*:}" "$WORK/bench_${cell/:/_}"
+    step "bench_${cell/:/_}" 150 "${BENCH[@]}"
   done
   "$PY" - "$OUT/bench.json" "$WORK"/bench_*/results.json <<'EOF2'
 import json, sys
@@ -308,10 +311,11 @@ for path in sys.argv[2:]:
     records += json.load(open(path))["sections"]["ops"]["records"]
 json.dump({"records": records}, open(sys.argv[1], "w"), indent=1)
 EOF2
-  for layout in seed scattered; do
-    if [ -f "$WORK/bench_$layout/results.md" ]; then
-      cat "$WORK/bench_$layout/results.md" >>"$OUT/bench.md"
-      { echo; echo "## Benchmark, $layout layout"; echo; cat "$WORK/bench_$layout/results.md"; } >>"$REPORT"
+  for cell in $BENCH_CELLS; do
+    md="$WORK/bench_${cell/:/_}/results.md"
+    if [ -f "$md" ]; then
+      cat "$md" >>"$OUT/bench.md"
+      { echo; echo "## Benchmark, ${cell%:*} layout, ${cell#*:}"; echo; cat "$md"; } >>"$REPORT"
     fi
   done
 else  # op level: kt_regroup's op against copy_ of the same bytes, CUDA events
@@ -385,27 +389,26 @@ import json, sys
 rows = [r for r in json.load(open(sys.argv[1]))["records"] if r["n"] > 0]
 cells = {}
 for r in rows:
-    cells.setdefault((r["layout"], r["mode"], r["duplicates"]), []).append(r)
+    cells.setdefault((r["layout"], r["dtype"], r["mode"], r["duplicates"]), []).append(r)
 verdict = lambda ok: "n/a" if ok is None else ("yes" if ok else "**NO**")
-print("| layout | mode | dup | op / copy_ | KTRegroupAsDict / copy_ | <= 1.11 | peak memory |")
-print("|---|---|---|---|---|---|---|")
+print("| layout | dtype | mode | dup | op / copy_ | KTRegroupAsDict / copy_ | <= 1.11 "
+      "| peak memory |")
+print("|---|---|---|---|---|---|---|---|")
 best = {}
-for (layout, mode, dup), rs in cells.items():
+for (layout, dtype, mode, dup), rs in cells.items():
     op = next((r for r in rs if r["provider"] == "kt_regroup.permute_multi_embedding"), None)
     mod = next((r for r in rs if r["provider"] == "kt_regroup.KTRegroupAsDict"), None)
     if op is None or op.get("vs_copy") is None:
         continue
-    best[(layout, mode, dup)] = op["p50_s"]
-    print(f"| {layout} | {mode} | {dup} | {op['vs_copy']:.2f} "
+    best[(layout, dtype, mode, dup)] = op["p50_s"]
+    print(f"| {layout} | {dtype} | {mode} | {dup} | {op['vs_copy']:.2f} "
           f"| {mod['vs_copy'] if mod and mod.get('vs_copy') else float('nan'):.2f} "
           f"| {verdict(op['vs_copy'] <= 1.11)} | {op.get('mem_peak_bytes')} |")
-for (layout, mode, dup), t in best.items():
-    if dup and (layout, mode, False) in best:
-        r = t / best[(layout, mode, False)]
-        print(f"\n{layout} {mode}: duplicates / no duplicates (op, P50) {r:.2f}: "
+for (layout, dtype, mode, dup), t in best.items():
+    if dup and (layout, dtype, mode, False) in best:
+        r = t / best[(layout, dtype, mode, False)]
+        print(f"\n{layout} {dtype} {mode}: duplicates / no duplicates (op, P50) {r:.2f}: "
               f"<= 1.05 {verdict(r <= 1.05)}")
-print("\nfloat32 only: the op section has no dtype option; bf16 is measured by the op-level "
-      "step when torchrec is missing")
 EOF
   { echo; echo "## Goals (issue 17; ratios within this run)"; echo; cat "$WORK/goals.md"; } >>"$REPORT"
 fi

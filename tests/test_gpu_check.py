@@ -53,8 +53,8 @@ def dry_run(tmp_path_factory):
 
 def test_dry_run_passes_every_step_and_reports_every_version(dry_run):
     out, report = dry_run
-    _assert_steps_ok(report, ("environment", "tests", "training_step", "bench_seed",
-                              "bench_scattered"))
+    _assert_steps_ok(report, ("environment", "tests", "training_step", "bench_seed_float32",
+                              "bench_scattered_bfloat16"))
     if list((ROOT / ".whl").glob("*.whl")):
         _assert_steps_ok(report, ("install",))
         assert re.search(r"^- install: \d+ wheels: .*torchrec-.*fbgemm", report, re.M) or \
@@ -74,10 +74,12 @@ def test_dry_run_keeps_the_bench_json_and_reads_the_goals_from_it(dry_run):
     records = json.loads((out / "bench.json").read_text())["records"]
     kt = [r for r in records if r["provider"].startswith("kt_regroup") and r["n"] > 0]
     assert kt and all(r["check"] == "ok" for r in kt), {r["provider"]: r["check"] for r in kt}
-    assert {r["layout"] for r in kt} == {"seed", "scattered"}
-    assert "## Benchmark, seed layout" in report and "## Benchmark, scattered layout" in report
+    assert {(r["layout"], r["dtype"]) for r in kt} == {("seed", "float32"),
+                                                        ("scattered", "bfloat16")}
+    assert "## Benchmark, seed layout, float32" in report
+    assert "## Benchmark, scattered layout, bfloat16" in report
     goals = report.split("## Goals (issue 17")[1]
-    rows = re.findall(r"^\| (seed|scattered) \| (forward|forward\+backward, ones|"
+    rows = re.findall(r"^\| (seed \| float32|scattered \| bfloat16) \| (forward|forward\+backward, ones|"
                       r"forward\+backward, expanded) \| (True|False) \| \d+\.\d\d \| \d+\.\d\d "
                       r"\| (yes|\*\*NO\*\*) \| \S+ \|$", goals, re.M)
     assert len(rows) == 12, goals
