@@ -31,6 +31,21 @@ struct Segment {
 // Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None.
 using TensorPtrs = std::vector<const at::Tensor*>;
 
+// The checks of a call that read no tensor data (dims, dtypes, devices, batch sizes, the
+// metadata's shapes and dtypes, negative sizes): what a kernel whose plan is on a device
+// runs without a host sync (the CUDA kernels, the Triton launcher via _check_permute_args).
+//   forward:  ptrs = pooled_embs, lengths = out_lengths, batch_size = nullopt
+//   backward: ptrs = grad_outputs, lengths = in_lengths, batch_size given
+void check_without_data(
+    const char* op,
+    const TensorPtrs& ptrs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef lengths,
+    std::optional<int64_t> batch_size,
+    bool same_dtype);
+
 // Checks a forward call (inputs, metadata, widths, every permute row) and returns its
 // rows as segments, adjacent contiguous rows merged and empty rows dropped. Nothing is
 // read or written by a kernel before this returns. `same_dtype`: all inputs share one

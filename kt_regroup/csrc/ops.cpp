@@ -576,27 +576,23 @@ TORCH_LIBRARY_IMPL(kt_regroup, CompositeImplicitAutograd, m) {
 //   forward:  tensors = pooled_embs, lengths = out_lengths, batch_size = None
 //   backward: tensors = grad_outputs, lengths = in_lengths, batch_size given
 namespace kt_regroup {
-namespace {
 
-void check_permute_args(
-    c10::string_view op_name,
-    const c10::List<std::optional<at::Tensor>>& tensors,
+void check_without_data(
+    const char* op,
+    const TensorPtrs& ptrs,
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef lengths,
     std::optional<int64_t> batch_size,
     bool same_dtype) {
-  const std::string op(op_name);
-  std::vector<std::optional<at::Tensor>> held;
-  const TensorPtrs ptrs = grad_pointers(tensors, held);
   const bool backward = batch_size.has_value();
   const char* name = backward ? "grad_outputs" : "pooled_embs";
   const char* lengths_name = backward ? "in_lengths" : "out_lengths";
   std::optional<c10::Device> device;
   const bool any = std::any_of(ptrs.begin(), ptrs.end(), [](const at::Tensor* t) { return t; });
   if (!backward || any) {
-    check_tensor_list(op.c_str(), name, ptrs, same_dtype);
+    check_tensor_list(op, name, ptrs, same_dtype);
     for (const at::Tensor* t : ptrs) {
       if (t) device = t->device();
     }
@@ -617,7 +613,25 @@ void check_permute_args(
   }
   const size_t n_in = backward ? lengths.size() : ptrs.size();
   const size_t n_out = backward ? ptrs.size() : lengths.size();
-  check_metadata(op.c_str(), permutes, in_shapes, out_shapes, n_in, n_out, device);
+  check_metadata(op, permutes, in_shapes, out_shapes, n_in, n_out, device);
+}
+
+namespace {
+
+void check_permute_args(
+    c10::string_view op_name,
+    const c10::List<std::optional<at::Tensor>>& tensors,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef lengths,
+    std::optional<int64_t> batch_size,
+    bool same_dtype) {
+  const std::string op(op_name);
+  std::vector<std::optional<at::Tensor>> held;
+  check_without_data(
+      op.c_str(), grad_pointers(tensors, held), permutes, in_shapes, out_shapes, lengths,
+      batch_size, same_dtype);
 }
 
 }  // namespace

@@ -20,73 +20,6 @@ namespace kt_regroup {
 namespace cuda {
 namespace {
 
-// Structure of a tensor list: 2-D, one device, one batch size, one dtype (unless cast).
-void check_list(const char* op, const char* name, const TensorPtrs& ts, bool same_dtype) {
-  const at::Tensor* first = nullptr;
-  size_t i0 = 0;
-  for (size_t i = 0; i < ts.size(); ++i) {
-    const at::Tensor* t = ts[i];
-    if (t == nullptr) continue;
-    TORCH_CHECK_VALUE(
-        t->dim() == 2, "kt_regroup.", op, ": ", name, "[", i,
-        "] must be 2-D [batch, width], got shape ", t->sizes());
-    if (first == nullptr) {
-      first = t;
-      i0 = i;
-      continue;
-    }
-    TORCH_CHECK_VALUE(
-        t->device() == first->device(), "kt_regroup.", op, ": ", name, "[", i, "] is on ",
-        t->device(), " but ", name, "[", i0, "] is on ", first->device(),
-        "; all must be on one device");
-    TORCH_CHECK_TYPE(
-        !same_dtype || t->scalar_type() == first->scalar_type(), "kt_regroup.", op, ": ", name,
-        "[", i, "] is ", t->scalar_type(), " but ", name, "[", i0, "] is ",
-        first->scalar_type(),
-        "; all must have one dtype (permute_multi_embedding_to with a dtype casts mixed inputs)");
-    TORCH_CHECK_VALUE(
-        t->size(0) == first->size(0), "kt_regroup.", op, ": ", name, "[", i,
-        "] has batch size ", t->size(0), " but ", name, "[", i0, "] has ", first->size(0),
-        "; all must have the same batch size");
-  }
-  TORCH_CHECK_VALUE(first != nullptr, "kt_regroup.", op, ": ", name, " is empty");
-}
-
-// Shapes and dtypes of a plan that lives on the device (its values are not read).
-void check_device_plan(
-    const char* op, const at::Tensor& permutes, const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes, size_t n_in, size_t n_out) {
-  TORCH_CHECK_VALUE(
-      permutes.dim() == 2 && permutes.size(1) == kPermuteColumns, "kt_regroup.", op,
-      ": permutes must have shape [n, ", kPermuteColumns,
-      "] (in_tensor, out_tensor, in_offset, out_offset, length, next), got ", permutes.sizes());
-  const std::pair<const char*, const at::Tensor*> named[] = {
-      {"permutes", &permutes}, {"in_shapes", &in_shapes}, {"out_shapes", &out_shapes}};
-  for (const auto& [name, t] : named) {
-    TORCH_CHECK_TYPE(
-        t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "kt_regroup.", op,
-        ": ", name, " must be int32 or int64, got ", t->scalar_type());
-    TORCH_CHECK_VALUE(
-        !t->is_meta(), "kt_regroup.", op, ": ", name,
-        " is on meta but the data is on cuda; metadata and data must be on real devices");
-  }
-  TORCH_CHECK_VALUE(
-      in_shapes.dim() == 1 && in_shapes.numel() == static_cast<int64_t>(n_in), "kt_regroup.", op,
-      ": in_shapes must have one entry per input tensor (", n_in, "), got shape ",
-      in_shapes.sizes());
-  TORCH_CHECK_VALUE(
-      out_shapes.dim() == 1 && out_shapes.numel() == static_cast<int64_t>(n_out), "kt_regroup.",
-      op, ": out_shapes must have one entry per output (", n_out, "), got shape ",
-      out_shapes.sizes());
-}
-
-void check_lengths(const char* op, const char* name, c10::IntArrayRef lengths) {
-  for (size_t j = 0; j < lengths.size(); ++j) {
-    TORCH_CHECK_VALUE(
-        lengths[j] >= 0, "kt_regroup.", op, ": ", name, "[", j, "] is negative (", lengths[j], ")");
-  }
-}
-
 bool on_host(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
   return a.is_cpu() && b.is_cpu() && c.is_cpu();
 }
@@ -107,12 +40,11 @@ std::vector<at::Tensor> forward(
   TORCH_CHECK_VALUE(!pooled_embs.empty(), "kt_regroup.", op, ": pooled_embs is empty");
   if (on_host(permutes, in_shapes, out_shapes)) {  // checked in full, without a sync
     check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, !dtype.has_value());
-  } else {
+  } else {  // what needs no tensor data: the plan stays on the device
     TensorPtrs ptrs;
     for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
-    check_list(op, "pooled_embs", ptrs, !dtype.has_value());
-    check_device_plan(op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size());
-    check_lengths(op, "out_lengths", out_lengths);
+    check_without_data(
+        op, ptrs, permutes, in_shapes, out_shapes, out_lengths, std::nullopt, !dtype.has_value());
   }
   const at::Tensor& first = pooled_embs[0];
   TORCH_CHECK_VALUE(
@@ -216,16 +148,8 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cuda(
       return backward_by_segments(grads, segments, in_lengths, batch_size, dtype, device);
     }
   } else {
-    if (defined) check_list(op, "grad_outputs", grads, /*same_dtype=*/true);
-    TORCH_CHECK_VALUE(
-        batch_size >= 0, "kt_regroup.", op, ": batch_size is negative (", batch_size, ")");
-    for (size_t j = 0; j < grads.size(); ++j) {
-      TORCH_CHECK_VALUE(
-          !grads[j] || grads[j]->size(0) == batch_size, "kt_regroup.", op, ": grad_outputs[", j,
-          "] has ", grads[j] ? grads[j]->size(0) : 0, " rows, expected ", batch_size);
-    }
-    check_device_plan(op, permutes, in_shapes, out_shapes, in_lengths.size(), grads.size());
-    check_lengths(op, "in_lengths", in_lengths);
+    check_without_data(
+        op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size, /*same_dtype=*/true);
   }
   TORCH_CHECK_VALUE(
       device.is_cuda(), "kt_regroup.", op, ": the gradients are on ", device,
