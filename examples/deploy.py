@@ -1,17 +1,18 @@
-"""Deploy a model that uses kt_regroup: TorchScript and AOTInductor files that run where
-only torch and kt_regroup's compiled op library are loaded (no Python kt_regroup, no
-torchrec), e.g. in a C++ predictor.
+"""Deploy a model that uses kt_regroup: an AOTInductor package (and, the legacy path, a
+TorchScript file) that runs where only torch and kt_regroup's compiled op library are
+loaded (no Python kt_regroup, no torchrec), e.g. in a C++ predictor.
 
-    python examples/deploy.py OUT_DIR [--aoti]
+    python examples/deploy.py OUT_DIR [--torchscript]
 
-writes ``OUT_DIR/model.pt`` (traced with torchrec's fx tracer, then scripted) and, with
-``--aoti``, ``OUT_DIR/model.pt2`` (``torch.export`` + AOTInductor, dynamic batch), and
-prints how to run them. Load them with::
+writes ``OUT_DIR/model.pt2`` (``torch.export`` + AOTInductor, dynamic batch) and, with
+``--torchscript``, ``OUT_DIR/model.pt`` (traced with torchrec's fx tracer, then scripted;
+TorchScript is deprecated from torch 2.13), and prints how to run them. Load them with::
 
     torch.ops.load_library(LIB)          # LIB = kt_regroup.library_path()
-    torch.jit.load("model.pt")           # or torch._inductor.aoti_load_package("model.pt2")
+    torch._inductor.aoti_load_package("model.pt2")   # or torch.jit.load("model.pt")
 
-or from C++ with ``examples/cpp_predictor``.
+or from C++ with ``examples/cpp_predictor`` (``AOTIModelPackageLoader``, or
+``torch::jit::load`` for model.pt).
 """
 
 import argparse
@@ -86,16 +87,18 @@ def save_aoti(model: torch.nn.Module, path: pathlib.Path) -> None:
 def main(argv: Optional[List[str]] = None) -> pathlib.Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=pathlib.Path)
-    parser.add_argument("--aoti", action="store_true", help="also write an AOTInductor package")
+    parser.add_argument("--torchscript", action="store_true",
+                        help="also write a TorchScript file (legacy: deprecated from torch 2.13)")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     model = build()
-    save_torchscript(model, args.out_dir / "model.pt")
-    if args.aoti:
-        save_aoti(model, args.out_dir / "model.pt2")
-    print(f"wrote {args.out_dir}/model.pt" + (" and model.pt2" if args.aoti else ""))
+    save_aoti(model, args.out_dir / "model.pt2")
+    if args.torchscript:
+        save_torchscript(model, args.out_dir / "model.pt")
+    print(f"wrote {args.out_dir}/model.pt2" + (" and model.pt" if args.torchscript else ""))
     print(f"op library: {kt_regroup.library_path()}")
-    print("C++: examples/cpp_predictor/predictor MODEL LIB 8x44 8x13")
+    print(f"C++: build/predictor/predictor {args.out_dir}/model.pt2 LIB 8x44 8x13 "
+          "(examples/cpp_predictor)")
     return args.out_dir
 
 

@@ -1,10 +1,13 @@
-// A C++ predictor for a TorchScript model that calls torch.ops.kt_regroup: it loads
-// kt_regroup's compiled op library next to the model, with no Python anywhere.
+// A C++ predictor for a model that calls torch.ops.kt_regroup: it loads kt_regroup's
+// compiled op library, then the model, with no Python anywhere.
 //
-//   predictor MODEL.pt LIB.so SHAPE... [--calls N]   (SHAPE: BxW, one per forward argument)
+//   predictor MODEL LIB.so SHAPE... [--calls N]   (SHAPE: BxW, one per forward argument)
 //
-// With --calls N it then times N more calls (after 10 warm-up calls) and prints
-// "per call: T us (N calls)", the mean wall time of one forward with its inputs ready.
+// MODEL is an AOTInductor package (*.pt2, examples/deploy.py's default, loaded with
+// torch::inductor::AOTIModelPackageLoader) or, the legacy path, a TorchScript file (*.pt,
+// torch::jit::load). With --calls N it then times N more calls (after 10 warm-up calls)
+// and prints "per call: T us (N calls)", the mean wall time of one forward with its
+// inputs ready.
 //
 // Inputs are integer-valued float tensors (element i = i % 17 - 8), so the printed
 // checksums (per output: sum of values weighted by i % 101 + 1) are exact and a Python
@@ -12,10 +15,12 @@
 // Build: see CMakeLists.txt.
 
 #include <dlfcn.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/script.h>
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -41,6 +46,10 @@ void flatten(const c10::IValue& value, std::vector<torch::Tensor>& out) {
   }
 }
 
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -50,23 +59,39 @@ int main(int argc, char** argv) {
     argc -= 2;
   }
   if (argc < 4 || calls < 0) {
-    std::cerr << "usage: predictor MODEL.pt LIB.so SHAPE... [--calls N] (e.g. 8x44 8x13)\n";
+    std::cerr << "usage: predictor MODEL.pt2|MODEL.pt LIB.so SHAPE... [--calls N] (e.g. 8x44 8x13)\n";
     return 2;
   }
-  // The op library registers torch.ops.kt_regroup.* with the dispatcher when loaded.
+  // The op library registers torch.ops.kt_regroup.* with the dispatcher when loaded; both
+  // model formats call the ops through it.
   if (dlopen(argv[2], RTLD_NOW | RTLD_GLOBAL) == nullptr) {
     std::cerr << "cannot load " << argv[2] << ": " << dlerror() << "\n";
     return 1;
   }
-  torch::jit::Module model = torch::jit::load(argv[1]);
-  model.eval();
-  std::vector<c10::IValue> inputs;
-  for (int i = 3; i < argc; ++i) inputs.emplace_back(example_input(argv[i]));
-  std::vector<torch::Tensor> outputs;
-  {
-    torch::InferenceMode guard;
-    flatten(model.forward(inputs), outputs);
+  const std::string path = argv[1];
+  std::vector<torch::Tensor> inputs;
+  for (int i = 3; i < argc; ++i) inputs.push_back(example_input(argv[i]));
+
+  // One forward of either format: the inputs in, the output tensors out.
+  std::function<std::vector<torch::Tensor>()> forward;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> package;
+  torch::jit::Module script;
+  if (ends_with(path, ".pt2")) {
+    package = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path);
+    forward = [&] { return package->run(inputs); };
+  } else {
+    script = torch::jit::load(path);
+    script.eval();
+    const std::vector<c10::IValue> args(inputs.begin(), inputs.end());
+    forward = [&script, args] {
+      std::vector<torch::Tensor> out;
+      flatten(script.forward(args), out);
+      return out;
+    };
   }
+
+  torch::InferenceMode guard;
+  const std::vector<torch::Tensor> outputs = forward();
   for (size_t j = 0; j < outputs.size(); ++j) {
     const torch::Tensor& out = outputs[j];
     const torch::Tensor weights = torch::arange(out.numel(), torch::kFloat64).fmod(101) + 1;
@@ -74,10 +99,9 @@ int main(int argc, char** argv) {
     std::printf("output %zu shape %s checksum %.0f\n", j, c10::str(out.sizes()).c_str(), checksum);
   }
   if (calls > 0) {
-    torch::InferenceMode guard;
-    for (int i = 0; i < 10; ++i) model.forward(inputs);
+    for (int i = 0; i < 10; ++i) forward();
     const auto start = std::chrono::steady_clock::now();
-    for (long i = 0; i < calls; ++i) model.forward(inputs);
+    for (long i = 0; i < calls; ++i) forward();
     const std::chrono::duration<double, std::micro> spent = std::chrono::steady_clock::now() - start;
     std::printf("per call: %.3f us (%ld calls)\n", spent.count() / calls, calls);
   }
