@@ -11,6 +11,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
+from kt_regroup.plan import arguments
+
 __all__ = ["regroup", "regroup_as_dict"]
 
 
@@ -46,7 +48,7 @@ def _int_widths(
             out.append(widths)
             continue
         for key, w in zip(keyed_tensors[i].keys(), widths):
-            if not isinstance(w, (int, float)) or w != int(w):
+            if not (isinstance(w, int) or (isinstance(w, float) and w.is_integer())):
                 raise TypeError(
                     f"{who}: input {i} key {key!r} has width {w!r}; widths must be integers"
                 )
@@ -104,9 +106,12 @@ def regroup(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[t
     for v in values:
         if v.dtype != dtype:
             cast = dtype
-    permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
-        values[0], keys, lengths, groups
-    )
+    if torch.jit.is_scripting():
+        permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
+            values[0], keys, lengths, groups
+        )
+    else:  # with the error naming a key the schema cannot take
+        permutes, in_shapes, out_shapes, out_lengths = arguments(values[0], keys, lengths, groups)
     return permute(values, permutes, in_shapes, out_shapes, out_lengths, key_dim, cast)
 
 

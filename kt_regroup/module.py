@@ -194,12 +194,13 @@ class RegroupPlanModule(torch.nn.Module):
         )
 
     def _apply(self, fn, recurse=True):
-        # Device moves keep the plan; to_empty() would leave garbage in its buffers: the
-        # moved buffers are rebuilt from the host copy wherever their values differ.
+        # Device moves keep the plan; to_empty() would leave garbage in its buffers, and
+        # .type() would cast them: the moved buffers are rebuilt from the host copy wherever
+        # their values or dtypes differ.
         super()._apply(fn, recurse)
         for name, host in zip(("_permutes", "_in_shapes", "_out_shapes"), self._host):
             buf = self._buffers[name]
-            if not buf.is_meta and not torch.equal(buf.cpu(), host):
+            if not buf.is_meta and (buf.dtype != host.dtype or not torch.equal(buf.cpu(), host)):
                 self._buffers[name] = host.to(buf.device, copy=True)
         return self
 

@@ -135,7 +135,8 @@ _lock = threading.Lock()
 # name -> torchrec's original, taken once (before any patch) so unpatch can always restore.
 _ORIGINALS: Dict[str, Any] = {name: getattr(mod, name) for name, (mod, _) in _MODULE_LEVEL.items()}
 _CLASS_ORIGINALS: List[Any] = [cls.__dict__[name] for cls, name, _ in _CLASS_LEVEL]
-_patched = False
+_holders = 0  # patch_torchrec() calls not yet given back (a with block gives its call back)
+_generation = 0  # patches so far: unpatch_torchrec() ends one
 
 
 def _torchrec_modules() -> List[ModuleType]:
@@ -163,25 +164,38 @@ def _rebind(swap: Dict[int, Tuple[Any, Any]]) -> List[str]:
 
 
 class _TorchrecPatch:
-    """Returned by :func:`patch_torchrec`; as a context manager it undoes its own patch."""
+    """Returned by :func:`patch_torchrec`; as a context manager it gives back its own hold
+    on the patch at exit. torchrec is unpatched when no call holds it any more: a plain
+    ``patch_torchrec()`` holds it until :func:`unpatch_torchrec`, even one made inside a
+    ``with patch_torchrec():`` block."""
 
-    def __init__(self, applied: bool) -> None:
-        self._applied = applied  # False when torchrec was already patched at the call
+    def __init__(self, generation: int) -> None:
+        self._generation = generation  # of the patch this call holds
+        self._held = True
 
     def __enter__(self) -> "_TorchrecPatch":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._applied:
-            unpatch_torchrec()
+        global _holders
+        done: List[str] = []
+        with _lock:
+            if self._held and self._generation == _generation:  # else unpatch_torchrec() ended it
+                self._held = False
+                _holders -= 1
+                if _holders == 0:
+                    done = _restore()
+        _log_restored(done)
 
 
 def patch_torchrec() -> _TorchrecPatch:
     """Routes torchrec's ``KTRegroupAsDict`` and ``KeyedTensor`` regroups to kt_regroup.
 
     Idempotent (a second call only rebinds ``torchrec*`` modules imported since) and
-    undone by :func:`unpatch_torchrec`, or at the end of a ``with`` block. Each rebinding
-    is logged at INFO. See the module docs for what is and is not swapped.
+    undone by :func:`unpatch_torchrec`. As a context manager, the block's exit undoes it
+    unless another call still holds it (an outer ``with`` block, or a plain call made
+    before or inside the block). Each rebinding is logged at INFO. See the module docs
+    for what is and is not swapped.
 
     Example::
 
@@ -190,38 +204,50 @@ def patch_torchrec() -> _TorchrecPatch:
         >>> type(m) is kt_regroup.KTRegroupAsDict
         True
     """
-    global _patched
+    global _holders
     register_ir_serializer()  # torchrec.ir, where installed, must know the swapped-in class
     register_keyed_tensor_pytree()  # KeyedTensor inputs of torch.export
     with _lock:
-        applied = not _patched
         swap = {id(_ORIGINALS[n]): (_ORIGINALS[n], new) for n, (_, new) in _MODULE_LEVEL.items()}
         done = _rebind(swap)
         for cls, name, new in _CLASS_LEVEL:
             if cls.__dict__[name] is not new:
                 setattr(cls, name, new)
                 done.append(f"{cls.__module__}.{cls.__qualname__}.{name} -> kt_regroup")
-        _patched = True
+        _holders += 1
+        held = _TorchrecPatch(_generation)
     for line in done:
         logger.info("kt_regroup.patch_torchrec: %s", line)
-    return _TorchrecPatch(applied)
+    return held
 
 
 def unpatch_torchrec() -> None:
-    """Restores every torchrec original :func:`patch_torchrec` replaced. Idempotent."""
-    global _patched
+    """Restores every torchrec original :func:`patch_torchrec` replaced, whoever holds the
+    patch. Idempotent."""
     with _lock:
-        done = []
-        for mod in _torchrec_modules():
-            for attr, value in list(vars(mod).items()):
-                entry = _MODULE_LEVEL.get(attr)
-                if entry is not None and value is entry[1]:
-                    setattr(mod, attr, _ORIGINALS[attr])
-                    done.append(f"{mod.__name__}.{attr}")
-        for (cls, name, new), original in zip(_CLASS_LEVEL, _CLASS_ORIGINALS):
-            if cls.__dict__[name] is new:
-                setattr(cls, name, original)
-                done.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
-        _patched = False
+        done = _restore()
+    _log_restored(done)
+
+
+def _restore() -> List[str]:
+    """unpatch_torchrec's work; the caller holds _lock."""
+    global _holders, _generation
+    done = []
+    for mod in _torchrec_modules():
+        for attr, value in list(vars(mod).items()):
+            entry = _MODULE_LEVEL.get(attr)
+            if entry is not None and value is entry[1]:
+                setattr(mod, attr, _ORIGINALS[attr])
+                done.append(f"{mod.__name__}.{attr}")
+    for (cls, name, new), original in zip(_CLASS_LEVEL, _CLASS_ORIGINALS):
+        if cls.__dict__[name] is new:
+            setattr(cls, name, original)
+            done.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+    if _holders:
+        _holders, _generation = 0, _generation + 1
+    return done
+
+
+def _log_restored(done: List[str]) -> None:
     for line in done:
         logger.info("kt_regroup.unpatch_torchrec: restored %s", line)

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["RegroupPlan", "get_plan"]
+__all__ = ["RegroupPlan", "arguments", "get_plan"]
 
 Names = Tuple[Tuple[str, ...], ...]
 
@@ -76,6 +76,29 @@ class RegroupPlan:
         return get_plan(self.keys, self.lengths, [self.groups[j] for j in outputs])
 
 
+@torch.jit.unused
+def arguments(
+    embs: torch.Tensor, keys: List[List[str]], lengths: List[List[int]], groups: List[List[str]]
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[int]]:
+    """``kt_regroup_arguments``; a key the schema cannot take (not UTF-8: a lone
+    surrogate) is a ``ValueError`` naming it instead of the schema's type error."""
+    try:
+        return torch.ops.kt_regroup.kt_regroup_arguments(embs, keys, lengths, groups)
+    except RuntimeError:
+        for what, names in (("input", keys), ("group", groups)):
+            for i, ks in enumerate(names):
+                for key in ks:
+                    if isinstance(key, str) and not key.isascii():
+                        try:
+                            key.encode()
+                        except UnicodeEncodeError:
+                            raise ValueError(
+                                f"kt_regroup: {what} {i} has key {key!r}, which is not valid "
+                                "UTF-8; keys must be UTF-8 strings"
+                            ) from None
+        raise
+
+
 @functools.lru_cache(maxsize=128)  # no lock of ours: safe across threads and fork()
 def _cached(keys: Names, lengths: Tuple[Tuple[int, ...], ...], groups: Names) -> RegroupPlan:
     # Real tensors whatever mode is active (fake kernels build plans under FakeTensorMode).
@@ -83,7 +106,7 @@ def _cached(keys: Names, lengths: Tuple[Tuple[int, ...], ...], groups: Names) ->
     # thread at fork() would never be released in the child.
     modes = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else nullcontext()
     with modes:
-        permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
+        permutes, in_shapes, out_shapes, out_lengths = arguments(
             torch.empty(0), [list(k) for k in keys], [list(n) for n in lengths],
             [list(g) for g in groups],
         )

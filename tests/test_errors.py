@@ -307,3 +307,41 @@ def test_float_widths_same_warm_and_cold(warm):
         module([KeyedTensor(["a", "b"], [3, 1.5], values[:, :4])])
     with pytest.raises(TypeError, match=r"key 'a' has width 2\.5"):
         kt_regroup.regroup_as_dict([KeyedTensor(["a", "b"], [2.5, 2.5], values)], [["a"]], ["x"])
+
+
+@pytest.mark.parametrize("width", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_non_finite_widths_name_the_key(warm, width):
+    """NaN and inf widths get the library's message naming the key, as 2.5 does (before: a
+    bare ValueError / OverflowError from int())."""
+    values = torch.randn(4, 5)
+    module = kt_regroup.KTRegroupAsDict([["a"], ["b"]], ["x", "y"])
+    if warm:
+        module([KeyedTensor(["a", "b"], [3, 2], values)])
+    with pytest.raises(TypeError, match=r"input 0 key 'b' has width (nan|-?inf); widths must be integers"):
+        module([KeyedTensor(["a", "b"], [3, width], values)])
+    with pytest.raises(TypeError, match=r"kt_regroup.regroup: input 0 key 'b' has width"):
+        kt_regroup.regroup([KeyedTensor(["a", "b"], [3, width], values)], [["a"]])
+
+
+@pytest.mark.parametrize("where", ["keys", "groups"])
+def test_a_key_that_is_not_utf8_is_named(where):
+    """A lone surrogate cannot cross the schema: a ValueError naming the key (before: the
+    schema's misleading "Expected a value of type 'List[List[str]]'")."""
+    bad = "\ud800"
+    keys, groups = (["a", bad], [["a"], [bad]]) if where == "keys" else (["a", "b"], [["a", bad]])
+    kt = KeyedTensor(keys, [3, 2], torch.randn(4, 5))
+    label = "input 0" if where == "keys" else "group 1" if len(groups) > 1 else "group 0"
+    with pytest.raises(ValueError, match=rf"{label} has key '\\ud800', which is not valid UTF-8"):
+        kt_regroup.KTRegroupAsDict(groups, [f"g{j}" for j in range(len(groups))])([kt])
+    with pytest.raises(ValueError, match=rf"{label} has key '\\ud800', which is not valid UTF-8"):
+        kt_regroup.regroup([kt], groups)
+
+
+def test_a_missing_key_with_a_nul_byte_is_shown_whole():
+    """Control bytes of a key are escaped in the message (before: cut at the NUL)."""
+    kt = KeyedTensor(["a", "b"], [3, 2], torch.randn(4, 5))
+    for call in (lambda: kt_regroup.regroup([kt], [["a", "zz\x00top"]]),
+                 lambda: kt_regroup.KTRegroupAsDict([["zz\x00top\x1f"]], ["x"])([kt])):
+        with pytest.raises(IndexError, match=r"asks for key 'zz\\x00top(\\x1f)?', which is in none"):
+            call()

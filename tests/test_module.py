@@ -580,3 +580,22 @@ def test_a_changed_layout_gives_the_same_results_and_errors_in_every_mode():
         with pytest.raises(RuntimeError if script else IndexError,
                            match=r"group 0 asks for key 'a'"):
             m(keyed_tensors(missing, make_values(missing, 2)))
+
+
+@pytest.mark.parametrize("convert", ["type", "double"])
+def test_type_conversions_of_the_module_keep_the_plan(convert):
+    """``model.type(torch.float64)`` casts every buffer, the plan's integer ones too; the
+    plan is rebuilt from its host copy (before: every call raised "permutes must be int32
+    or int64, got Double" until clear_cache())."""
+    module = KTRegroupAsDict(groups=[["b"], ["a", "b"]], keys=["x", "y"])
+    values = torch.randn(4, 5)
+    module([KeyedTensor(["a", "b"], [3, 2], values)])
+    if convert == "type":
+        module.type(torch.float64)
+    else:
+        module._plan.double()
+    values = values.double()
+    out = module([KeyedTensor(["a", "b"], [3, 2], values)])
+    assert module._plan._permutes.dtype == torch.int32
+    torch.testing.assert_close(out["x"], values[:, 3:], rtol=0, atol=0)
+    torch.testing.assert_close(out["y"], values, rtol=0, atol=0)

@@ -161,6 +161,29 @@ def test_context_manager_undoes_its_patch_even_on_error_and_nesting_keeps_the_ou
     assert tr_regroup.KTRegroupAsDict is original
 
 
+def test_a_plain_patch_made_inside_a_with_block_outlives_the_block():
+    """A block gives back only its own hold (before: its exit undid the plain call too)."""
+    original = tr_regroup.KTRegroupAsDict
+    try:
+        with kt_regroup.patch_torchrec():
+            kt_regroup.patch_torchrec()
+        assert tr_regroup.KTRegroupAsDict is kt_regroup.KTRegroupAsDict
+        with kt_regroup.patch_torchrec():  # a block inside the plain patch leaves it on
+            pass
+        assert tr_regroup.KTRegroupAsDict is kt_regroup.KTRegroupAsDict
+    finally:
+        kt_regroup.unpatch_torchrec()
+    assert tr_regroup.KTRegroupAsDict is original
+    # A block whose patch unpatch_torchrec() ended gives back nothing at its exit.
+    with kt_regroup.patch_torchrec():
+        kt_regroup.unpatch_torchrec()
+        assert tr_regroup.KTRegroupAsDict is original
+        kt_regroup.patch_torchrec()
+    assert tr_regroup.KTRegroupAsDict is kt_regroup.KTRegroupAsDict
+    kt_regroup.unpatch_torchrec()
+    assert tr_regroup.KTRegroupAsDict is original
+
+
 def test_only_torchrec_modules_are_rebound_including_ones_imported_while_patched(monkeypatch):
     original = tr_regroup.KTRegroupAsDict
     # Stand-ins for modules that did `from torchrec.modules.regroup import KTRegroupAsDict`.

@@ -368,10 +368,25 @@ using Names = std::vector<std::vector<std::string>>;
 // Plans are int32 (torchrec's format): every width, offset, total and row index fits.
 constexpr int64_t kMaxPlanValue = std::numeric_limits<int32_t>::max();
 
+// A key in an error message: quoted, control bytes as \xNN (a NUL would end the message
+// where Python reads it as a C string).
+std::string quoted(const std::string& key) {
+  std::string s = "'";
+  for (const char c : key) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      constexpr char hex[] = "0123456789abcdef";
+      s += {'\\', 'x', hex[(c >> 4) & 0xf], hex[c & 0xf]};
+    } else {
+      s += c;
+    }
+  }
+  return s + "'";
+}
+
 std::string preview(const std::vector<std::string>& keys, size_t limit = 8) {
   std::ostringstream s;
   s << "[";
-  for (size_t k = 0; k < std::min(keys.size(), limit); ++k) s << (k ? ", " : "") << "'" << keys[k] << "'";
+  for (size_t k = 0; k < std::min(keys.size(), limit); ++k) s << (k ? ", " : "") << quoted(keys[k]);
   if (keys.size() > limit) s << ", ... (" << keys.size() << " keys)";
   s << "]";
   return s.str();
@@ -408,18 +423,18 @@ Rows build_rows(
       const std::string& key = keys[t][k];
       const int64_t width = lengths[t][k];
       TORCH_CHECK_VALUE(
-          width >= 0, "kt_regroup: key '", key, "' of input ", t, " has negative width ", width);
+          width >= 0, "kt_regroup: key ", quoted(key), " of input ", t, " has negative width ", width);
       TORCH_CHECK_VALUE(
-          width <= kMaxPlanValue, "kt_regroup: key '", key, "' of input ", t, " has width ",
+          width <= kMaxPlanValue, "kt_regroup: key ", quoted(key), " of input ", t, " has width ",
           width, ", more than an int32 plan holds (", kMaxPlanValue, ")");
       const auto [it, inserted] = where.emplace(key, Where{int64_t(t), offset, width});
       TORCH_CHECK_VALUE(
-          inserted, "kt_regroup: key '", key, "' appears in input ", it->second.tensor,
+          inserted, "kt_regroup: key ", quoted(key), " appears in input ", it->second.tensor,
           " and input ", t, "; a key must name exactly one column block (ambiguous)");
       offset += width;  // both <= 2^31 - 1: no int64 overflow
       TORCH_CHECK_VALUE(
           offset <= kMaxPlanValue, "kt_regroup: input ", t, " has ", offset,
-          " columns up to key '", key, "' (width ", width, "), more than an int32 plan holds (",
+          " columns up to key ", quoted(key), " (width ", width, "), more than an int32 plan holds (",
           kMaxPlanValue, ")");
     }
     out.in_lengths.push_back(offset);
@@ -439,7 +454,7 @@ Rows build_rows(
         std::ostringstream looked;
         for (size_t t = 0; t < keys.size(); ++t) looked << (t ? "; " : "") << "input " << t << ": " << preview(keys[t]);
         TORCH_CHECK_INDEX(
-            false, "kt_regroup: group ", g, " asks for key '", key, "', which is in none of the ",
+            false, "kt_regroup: group ", g, " asks for key ", quoted(key), ", which is in none of the ",
             keys.size(), " inputs (looked in: ", looked.str(), ")");
       }
       const Where& w = it->second;
@@ -462,7 +477,7 @@ Rows build_rows(
       out_off += w.width;
       TORCH_CHECK_VALUE(
           out_off <= kMaxPlanValue, "kt_regroup: group ", g, " has ", out_off,
-          " columns up to key '", key, "' (width ", w.width,
+          " columns up to key ", quoted(key), " (width ", w.width,
           "), more than an int32 plan holds (", kMaxPlanValue, ")");
     }
     out.out_lengths.push_back(out_off);
