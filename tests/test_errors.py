@@ -5,6 +5,7 @@ library; the fake kernels check only what output sizes need. The tests check the
 exception type and that the message names the culprit (the row, the value).
 """
 
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -345,3 +346,44 @@ def test_a_missing_key_with_a_nul_byte_is_shown_whole():
                  lambda: kt_regroup.KTRegroupAsDict([["zz\x00top\x1f"]], ["x"])([kt])):
         with pytest.raises(IndexError, match=r"asks for key 'zz\\x00top(\\x1f)?', which is in none"):
             call()
+
+
+def _kt_key_dim(keys, widths, batch=3, key_dim=1):
+    values = torch.randn(batch, sum(widths)) if key_dim == 1 else torch.randn(sum(widths), batch)
+    return KeyedTensor(keys=keys, length_per_key=widths, values=values, key_dim=key_dim)
+
+
+def test_mixed_key_dim_is_refused_everywhere():
+    kts = [_kt_key_dim(["a"], [2]), _kt_key_dim(["b"], [3], key_dim=0)]
+    match = r"same key_dim; input 1 has key_dim 0, input 0 has 1"
+    with pytest.raises(ValueError, match=match):
+        kt_regroup.regroup(kts, [["a", "b"]])
+    with pytest.raises(ValueError, match=match):
+        kt_regroup.KTRegroupAsDict([["a", "b"]], ["x"])(kts)
+    # A module warmed on key_dim=1 inputs sees the change too.
+    module = kt_regroup.KTRegroupAsDict([["a", "b"]], ["x"])
+    module([_kt_key_dim(["a"], [2]), _kt_key_dim(["b"], [3])])
+    with pytest.raises(ValueError, match=match):
+        module(kts)
+
+
+def test_careless_calls_get_clear_errors():
+    module = kt_regroup.KTRegroupAsDict([["a"]], ["x"])
+    kt = _kt_key_dim(["a", "b"], [1, 2])
+    with pytest.raises(TypeError, match=r"list of KeyedTensors.*got dict"):
+        module({"a": kt})
+    with pytest.raises(TypeError, match=r"list of KeyedTensors.*got KeyedTensor"):
+        module(kt)
+    with pytest.raises(TypeError, match=r"keyed_tensors\[1\] is a Tensor"):
+        module([kt, torch.ones(3, 1)])
+    # The op schema refuses widths that are not ints, showing the value.
+    with pytest.raises(RuntimeError, match=r"(?s)'List\[List\[int\]\]' for argument 'lengths'.*2\.7"):
+        kt_regroup.get_plan([["a"]], [[2.7]], [["a"]])
+    with pytest.raises(RuntimeError, match=r"(?s)'List\[List\[int\]\]' for argument 'lengths'.*'3'"):
+        kt_regroup.get_plan([["a"]], [["3"]], [["a"]])
+    p, i, o, _ = kt_regroup.kt_regroup_arguments(torch.empty(0), [["a"]], [[2]], [["a"]])
+    backward = torch.ops.kt_regroup.permute_multi_embedding_backward
+    with pytest.raises(ValueError, match=r"in_lengths\[0\] is negative \(-2\)"):
+        backward([torch.ones(3, 2)], p, i, o, [-2], 3, torch.float32)
+    with pytest.raises(ValueError, match=r"batch_size is negative \(-3\)"):
+        backward([None], p, i, o, [2], -3, torch.float32)

@@ -2,6 +2,11 @@
 the one plan cache, which must never hand out another layout's plan."""
 
 import itertools
+import os
+import signal
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -210,3 +215,112 @@ def test_200_distinct_layouts_every_surface():
             torch.ops.kt_regroup.permute_multi_embedding([x], *plan.tensors(), plan.out_lengths),
             expected,
         )
+
+
+OPS = torch.ops.kt_regroup
+
+
+INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize("keys,lengths,groups,pattern", [
+    ([["a", "b"]], [[2**32 + 1, 2]], [["b"]], r"key 'a' of input 0 has width 4294967297, more than an int32 plan holds \(2147483647\)"),
+    ([["a", "b"]], [[2**31, 2]], [["b"]], r"key 'a' of input 0 has width 2147483648"),
+    ([["a", "b"]], [[INT32_MAX, 2]], [["a"]], r"input 0 has 2147483649 columns up to key 'b' \(width 2\)"),
+    ([["a"], ["b"]], [[INT32_MAX], [1]], [["a", "b"]], r"group 0 has 2147483648 columns up to key 'b' \(width 1\)"),
+    ([["a"]], [[INT32_MAX]], [["a", "a"]], r"group 0 has 4294967294 columns up to key 'a'"),
+])
+def test_plans_that_int32_cannot_hold_are_refused(keys, lengths, groups, pattern):
+    embs = torch.empty(0, 3)
+    with pytest.raises(ValueError, match=pattern):
+        OPS.kt_regroup_arguments(embs, keys, lengths, groups)
+    with pytest.raises(ValueError, match=pattern):
+        OPS.regroup_keyed_tensor([embs] * len(keys), keys, lengths, groups)
+
+
+def test_the_largest_int32_plan_is_exact():
+    permutes, in_shapes, out_shapes, out_lengths = OPS.kt_regroup_arguments(
+        torch.empty(0, 1), [["a"], ["b"]], [[INT32_MAX - 1], [1]], [["b", "a"]])
+    assert permutes.tolist() == [[1, 0, 0, 0, 1, 0], [0, 0, 0, 1, INT32_MAX - 1, 0]]
+    assert in_shapes.tolist() == [INT32_MAX - 1, 1]
+    assert out_shapes.tolist() == out_lengths == [INT32_MAX]
+
+
+def test_plan_errors_stay_as_they_were():
+    embs = torch.empty(2, 3)
+    with pytest.raises(IndexError, match="group 0 asks for key 'z', which is in none of the 1 inputs"):
+        OPS.kt_regroup_arguments(embs, [["a"]], [[3]], [["z"]])
+    with pytest.raises(ValueError, match="key 'a' of input 0 has negative width -1"):
+        OPS.kt_regroup_arguments(embs, [["a"]], [[-1]], [["a"]])
+
+
+def test_plan_cache_under_concurrent_eviction():
+    # Threads that miss at once used to evict the same oldest entry: KeyError. 8 threads x
+    # 300 layouts of 2 widths each, through a cache of 128: evictions all the time.
+    errors: list = []
+    start = threading.Barrier(8)
+
+    def work(t: int) -> None:
+        start.wait()
+        try:
+            for i in range(300):
+                widths = [1 + (t * 300 + i) % 997, 2 + i % 3]
+                plan = kt_regroup.get_plan([["p", "q"]], [widths], [["q", "p"]])
+                assert plan.out_lengths == (sum(widths),)
+        except Exception as exc:  # noqa: BLE001  (any exception is the failure)
+            errors.append(repr(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    info = plan_module._cached.cache_info()
+    assert info.currsize <= info.maxsize
+
+
+def test_plan_cache_survives_fork_while_another_thread_misses():
+    # A lock held by a thread at fork() stays held forever in the child: children
+    # deadlocked in get_plan. The cache takes no lock of ours.
+    stop = threading.Event()
+
+    def hammer() -> None:
+        i = 0
+        while not stop.is_set():
+            kt_regroup.get_plan([["p", "q"]], [[1 + i % 5000, 2]], [["q", "p"]])
+            i += 1
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    stuck = 0
+    try:
+        for n in range(40):
+            pid = os.fork()
+            if pid == 0:  # the child: misses and hits, then leaves at once
+                try:
+                    plan = kt_regroup.get_plan([["a"]], [[3 + n]], [["a", "a"]])
+                    os._exit(0 if plan.out_lengths == (6 + 2 * n,) else 1)
+                finally:
+                    os._exit(2)
+            deadline = time.monotonic() + 20
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    assert os.waitstatus_to_exitcode(status) == 0
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    stuck += 1
+                    break
+                time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join()
+    assert stuck == 0
