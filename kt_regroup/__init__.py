@@ -18,6 +18,7 @@ from kt_regroup.ops import (
     permute_multi_embedding,
     permute_multi_embedding_into,
     permute_multi_embedding_to,
+    permute_multi_embedding_vbe,
     regroup_keyed_tensor,
 )
 from kt_regroup.plan import RegroupPlan, get_plan
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "KTRegroupAsDict": "kt_regroup.module",
+    "VariableBatchKeyedTensor": "kt_regroup.functional",
     "regroup": "kt_regroup.functional",
     "regroup_as_dict": "kt_regroup.functional",
     "patch_torchrec": "kt_regroup.patch",
@@ -47,6 +49,7 @@ def __getattr__(name: str):
 __all__ = [
     "KTRegroupAsDict",
     "RegroupPlan",
+    "VariableBatchKeyedTensor",
     "__version__",
     "cpu_memory",
     "empty_cpu_cache",
@@ -58,6 +61,7 @@ __all__ = [
     "permute_multi_embedding",
     "permute_multi_embedding_into",
     "permute_multi_embedding_to",
+    "permute_multi_embedding_vbe",
     "regroup",
     "regroup_as_dict",
     "regroup_keyed_tensor",

@@ -6,6 +6,7 @@ fx tracing keeps them as single calls, and they are TorchScript-able. The helper
 ``layout`` and ``permute`` are what :class:`kt_regroup.KTRegroupAsDict` runs too.
 """
 
+import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -13,7 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from kt_regroup.plan import arguments
 
-__all__ = ["regroup", "regroup_as_dict"]
+__all__ = ["VariableBatchKeyedTensor", "regroup", "regroup_as_dict"]
 
 
 def layout(
@@ -97,6 +98,9 @@ def regroup(keyed_tensors: List[KeyedTensor], groups: List[List[str]]) -> List[t
         >>> [t.shape for t in regroup([kt], [["b"], ["a", "b"]])]
         [torch.Size([2, 3]), torch.Size([2, 4])]
     """
+    if not torch.jit.is_scripting():
+        if has_pooled_rows(keyed_tensors):
+            return regroup_rows(keyed_tensors, groups, None)
     keys, lengths, key_dim = layout(keyed_tensors, "kt_regroup.regroup")
     values = [kt.values() for kt in keyed_tensors]
     dtype = values[0].dtype
@@ -124,3 +128,90 @@ def regroup_as_dict(
         raise ValueError(f"kt_regroup.regroup_as_dict: {len(groups)} groups but {len(keys)} keys")
     values = regroup(keyed_tensors, groups)
     return {key: values[i] for i, key in enumerate(keys)}
+
+
+# --- variable-batch (VBE) outputs: regrouped from the pooled rows, never expanded ----------
+
+
+class VariableBatchKeyedTensor(KeyedTensor):
+    """A ``KeyedTensor`` whose values are expanded only when something reads them.
+
+    What ``patch_torchrec()``'s ``EmbeddingBagCollection`` returns for a variable-batch
+    KJT: per key, the pooled rows ``[rows_k, D_k]`` and the row of each sample
+    (``indices[k]``, ``[B]``; None: one row per sample). ``values()``, ``to_dict()`` and
+    every other ``KeyedTensor`` method see torchrec's ``[B, sum(D)]`` values, expanded once
+    by :func:`kt_regroup.ops.permute_multi_embedding_vbe`; kt_regroup's regroups
+    (``KTRegroupAsDict``, ``regroup``) read the rows directly.
+    """
+
+    def __init__(
+        self,
+        keys: List[str],
+        length_per_key: List[int],
+        pooled: List[torch.Tensor],
+        indices: List[Optional[torch.Tensor]],
+    ) -> None:
+        self.pooled, self.indices, self._expanded = pooled, indices, None
+        super().__init__(keys, length_per_key, None)  # type: ignore[arg-type]
+
+    @property
+    def _values(self) -> torch.Tensor:  # type: ignore[override]
+        if self._expanded is None:
+            (self._expanded,) = regroup_rows([self], [self.keys()], None)
+        return self._expanded
+
+    @_values.setter
+    def _values(self, values: Optional[torch.Tensor]) -> None:
+        self._expanded = values
+
+
+@torch.jit.unused
+def has_pooled_rows(keyed_tensors: List[KeyedTensor]) -> bool:
+    return isinstance(keyed_tensors, (list, tuple)) and any(
+        isinstance(kt, VariableBatchKeyedTensor) for kt in keyed_tensors
+    )
+
+
+@torch.jit.unused
+def regroup_rows(
+    keyed_tensors: List[KeyedTensor], groups: List[List[str]], dtype: Optional[torch.dtype]
+) -> List[torch.Tensor]:
+    """The regroup of inputs some of which are :class:`VariableBatchKeyedTensor`: one
+    ``permute_multi_embedding_vbe`` call on their pooled rows (one input per key) and the
+    other inputs' values. Mixed dtypes promote as :func:`regroup` does."""
+    pooled: List[torch.Tensor] = []
+    indices: List[Optional[torch.Tensor]] = []
+    keys: List[List[str]] = []
+    lengths: List[List[int]] = []
+    for kt in keyed_tensors:
+        if kt.key_dim() != 1:
+            raise ValueError("kt_regroup: variable-batch inputs regroup along key_dim 1 only")
+        if isinstance(kt, VariableBatchKeyedTensor):
+            pooled += kt.pooled
+            indices += kt.indices
+            keys += [[k] for k in kt.keys()]
+            lengths += [[int(n)] for n in kt.length_per_key()]
+        else:
+            pooled.append(kt.values())
+            indices.append(None)
+            keys.append(list(kt.keys()))
+            lengths.append([int(n) for n in kt.length_per_key()])
+    promoted = pooled[0].dtype
+    for p in pooled:
+        promoted = torch.promote_types(promoted, p.dtype)
+    pooled = [p.to(promoted) for p in pooled]
+    permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
+        pooled[0], keys, lengths, groups
+    )
+    try:
+        outs = torch.ops.kt_regroup.permute_multi_embedding_vbe(
+            pooled, indices, permutes, in_shapes, out_shapes, out_lengths
+        )
+    except IndexError as exc:  # name the key of the input the op names
+        found = re.search(r"indices\[(\d+)\]\[(\d+)\]", str(exc))
+        if found is None:
+            raise
+        raise IndexError(
+            f"kt_regroup: key {keys[int(found[1])][0]!r}, sample {found[2]}: {exc}"
+        ) from exc
+    return outs if dtype is None else [o.to(dtype) for o in outs]

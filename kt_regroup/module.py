@@ -26,7 +26,7 @@ from torchrec.modules.embedding_configs import data_type_to_dtype, dtype_to_data
 from torchrec.sparse.jagged_tensor import KeyedTensor
 from torchrec.types import CacheMixin, DataType
 
-from kt_regroup.functional import layout, permute
+from kt_regroup.functional import has_pooled_rows, layout, permute, regroup_rows
 from kt_regroup.plan import get_plan
 
 # Host work, run outside Dynamo: a layout error stays the library's own under torch.compile
@@ -317,6 +317,8 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         plan = self._plan  # read once: other threads may swap in their own plans
         if not torch.jit.is_scripting():
             if not _is_fx_tracing():
+                if has_pooled_rows(keyed_tensors):  # variable-batch: from the pooled rows
+                    return dict(zip(self._keys, regroup_rows(keyed_tensors, self._groups, self._dtype)))
                 checked = plan.matches(keyed_tensors)
                 # Under torch.compile the module stays as it is (its state is guarded):
                 # _regroup computes a cold call in the graph.

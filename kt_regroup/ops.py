@@ -303,3 +303,78 @@ def empty_cpu_cache() -> None:
     limit = torch.ops.kt_regroup._cpu_memory()[1]
     torch.ops.kt_regroup._cpu_memory(0)
     torch.ops.kt_regroup._cpu_memory(limit)
+
+
+# --- variable-batch (VBE) regroup: permute_multi_embedding_vbe (csrc/vbe.cpp) ----------------
+#
+#     permute_multi_embedding_vbe(Tensor[] pooled_embs, Tensor?[] indices, Tensor permutes,
+#         Tensor in_shapes, Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]
+#     permute_multi_embedding_vbe_backward(Tensor?[] grad_outputs, Tensor?[] indices,
+#         Tensor permutes, Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths,
+#         SymInt[] in_rows, ScalarType dtype) -> Tensor[]
+#
+# out[j][b, out_cols] = pooled_embs[i][indices[i][b], in_cols] per permute row; an input
+# whose index is None (or all, with ``indices=[]``) has one row per sample.
+
+
+def _vbe_batch(op: str, tensors, indices) -> int:
+    for t in [*tensors, *indices]:
+        if t is not None and not t.is_meta and not isinstance(t, FakeTensor):
+            raise ValueError(f"kt_regroup.{op}: a tensor is on {t.device} but others are on meta")
+    given = [ix for ix in indices if ix is not None]
+    if given:
+        return given[0].size(0)
+    first = next((t for t in tensors if t is not None), None)
+    if first is None or first.dim() != 2:
+        raise ValueError(f"kt_regroup.{op}: needs a 2-D input or an index to size the batch")
+    return first.size(0)
+
+
+@torch.library.register_fake("kt_regroup::permute_multi_embedding_vbe")
+def _(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths):
+    if len(pooled_embs) == 0:
+        raise ValueError("kt_regroup.permute_multi_embedding_vbe: pooled_embs is empty")
+    batch = _vbe_batch("permute_multi_embedding_vbe", pooled_embs, indices)
+    return [pooled_embs[0].new_empty(batch, n) for n in out_lengths]
+
+
+@torch.library.register_fake("kt_regroup::permute_multi_embedding_vbe_backward")
+def _(grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype):
+    for t in [*grad_outputs, *indices]:
+        if t is not None and not t.is_meta and not isinstance(t, FakeTensor):
+            raise ValueError(
+                "kt_regroup.permute_multi_embedding_vbe_backward: a tensor is on "
+                f"{t.device} but others are on meta"
+            )
+    device = next((g.device for g in grad_outputs if g is not None), permutes.device)
+    buffer = torch.empty(sum(r * n for r, n in zip(in_rows, in_lengths)), dtype=dtype, device=device)
+    outs, offset = [], 0
+    for r, n in zip(in_rows, in_lengths):  # views of one allocation, as the kernels return
+        outs.append(buffer[offset:offset + r * n].view(r, n))
+        offset += r * n
+    return outs
+
+
+def permute_multi_embedding_vbe(
+    pooled_embs: List[torch.Tensor],
+    indices: List[Optional[torch.Tensor]],
+    permutes: torch.Tensor,
+    in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor,
+    out_lengths: List[int],
+) -> List[torch.Tensor]:
+    """:func:`permute_multi_embedding` of inputs whose rows are shared by several samples:
+    sample ``b`` reads row ``indices[i][b]`` of ``pooled_embs[i]`` (``None``: row ``b``).
+    The backward sums each row's samples deterministically; unused rows get zeros.
+
+    Example::
+
+        >>> rows = torch.randn(2, 3)  # two unique rows of one feature
+        >>> p, i, o, n = kt_regroup_arguments(rows, [["f"]], [[3]], [["f"]])
+        >>> idx = torch.tensor([1, 1, 0])
+        >>> permute_multi_embedding_vbe([rows], [idx], p, i, o, n)[0].shape
+        torch.Size([3, 3])
+    """
+    return torch.ops.kt_regroup.permute_multi_embedding_vbe(
+        pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths
+    )

@@ -10,6 +10,10 @@
   ``_fbgemm_permute_pooled_embs`` -> ``kt_regroup.regroup``;
 * ``_kt_regroup_arguments`` (``jagged_tensor``, ``modules.regroup``) ->
   ``kt_regroup.kt_regroup_arguments`` (the same rows);
+* ``EmbeddingBagCollection.forward`` with a variable-batch KJT (``inverse_indices``)
+  returns a :class:`kt_regroup.VariableBatchKeyedTensor`: the pooled rows, expanded
+  only when something reads its values; the regroups read the rows directly. Under fx
+  tracing, TorchScript, torch.compile and export it is torchrec's forward;
 What is swapped and what is not:
 
 * names are swapped, not objects: a ``KTRegroupAsDict`` constructed after patching is
@@ -36,20 +40,23 @@ tracer record one call, as for torchrec's), the ``jagged_tensor`` helpers keep t
 own wrapping, and all of them are TorchScript-able, compile and export.
 """
 
+import functools
 import logging
 import sys
 import threading
+import types
 from types import ModuleType
 from typing import Any, Dict, List, Tuple
 
 import torch
+import torchrec.modules.embedding_modules as _tr_ebc
 import torchrec.modules.regroup as _tr_regroup
 import torchrec.sparse.jagged_tensor as _tr_jagged
-from torchrec.sparse.jagged_tensor import KeyedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from kt_regroup.functional import regroup, regroup_as_dict
+from kt_regroup.functional import VariableBatchKeyedTensor, regroup, regroup_as_dict
 from kt_regroup.keyed_tensor_pytree import register_keyed_tensor_pytree
-from kt_regroup.module import KTRegroupAsDict
+from kt_regroup.module import KTRegroupAsDict, _is_fx_tracing
 from kt_regroup.ops import kt_regroup_arguments
 from kt_regroup.torchrec_ir import register_ir_serializer
 
@@ -113,6 +120,53 @@ def _kt_regroup_arguments(
     return kt_regroup_arguments(value, keys, key_lengths, groups)
 
 
+# EmbeddingBagCollection.forward with a variable-batch KJT: a VariableBatchKeyedTensor
+# (pooled rows, expanded only when read). Everywhere else (fx tracing, TorchScript,
+# torch.compile / export, fake or wrapped tensors, no inverse indices) torchrec's forward.
+
+
+def _rows_wanted(features: Any) -> bool:
+    if torch.jit.is_scripting() or _is_fx_tracing() or torch.compiler.is_compiling():
+        return False
+    return (
+        isinstance(features, KeyedJaggedTensor)
+        and features.inverse_indices_or_none() is not None
+        and type(features.values()) is torch.Tensor
+    )
+
+
+def _forward_rows(ebc: Any, features: KeyedJaggedTensor) -> VariableBatchKeyedTensor:
+    """torchrec's ``EmbeddingBagCollection.forward`` without the expansion and the cat."""
+    names = [name for names in ebc._feature_names for name in names]
+    inverse = _tr_ebc.reorder_inverse_indices(features.inverse_indices_or_none(), names)
+    feature_dict = features.to_dict()
+    pooled = []
+    for i, bag in enumerate(ebc.embedding_bags.values()):
+        for name in ebc._feature_names[i]:
+            f = feature_dict[name]
+            weights = f.weights() if ebc._is_weighted else None
+            pooled.append(bag(input=f.values(), offsets=f.offsets(), per_sample_weights=weights).float())
+    return VariableBatchKeyedTensor(
+        ebc._embedding_names, ebc._lengths_per_embedding, pooled, list(inverse.unbind(0))
+    )
+
+
+def _ebc_forward() -> Any:
+    """The patched forward. It runs with torchrec's module globals and wraps torchrec's
+    forward (``__wrapped__``), so TorchScript compiles torchrec's own source."""
+    kt_regroup_original, kt_regroup_wanted, kt_regroup_rows = (
+        _tr_ebc.EmbeddingBagCollection.forward, _rows_wanted, _forward_rows
+    )
+
+    def forward(self, features):
+        if kt_regroup_wanted(features):
+            return kt_regroup_rows(self, features)
+        return kt_regroup_original(self, features)
+
+    fn = types.FunctionType(forward.__code__, vars(_tr_ebc), "forward", None, forward.__closure__)
+    return functools.update_wrapper(fn, kt_regroup_original)
+
+
 # Module-level objects of torchrec -> kt_regroup's, rebound wherever a torchrec* module
 # holds them. jagged_tensor wraps its helpers with torch.fx.wrap by name, so the
 # replacements bound under those names are recorded as single calls by fx as well.
@@ -129,6 +183,7 @@ _MODULE_LEVEL: Dict[str, Tuple[ModuleType, Any]] = {
 _CLASS_LEVEL: List[Tuple[type, str, Any]] = [
     (KeyedTensor, "regroup", staticmethod(_keyed_tensor_regroup)),
     (KeyedTensor, "regroup_as_dict", staticmethod(_keyed_tensor_regroup_as_dict)),
+    (_tr_ebc.EmbeddingBagCollection, "forward", _ebc_forward()),
 ]
 
 _lock = threading.Lock()

@@ -38,6 +38,7 @@ OPS = (
     "permute_multi_embedding_backward",
     "kt_regroup_arguments",
     "regroup_keyed_tensor",
+    "permute_multi_embedding_vbe",
 )
 I32, I64 = 2**31, 2**63
 EXTREMES = (-1, -2, -I32, -I32 - 1, I32 - 1, I32, 2**32 + 1, -I64, I64 - 1, 2**40, 0, 1, 3)
@@ -222,6 +223,42 @@ def _mutate(rng, c: dict) -> None:
             c["keys"], c["lengths"] = [], []
 
 
+def _vbe_inputs(rng, c: dict) -> None:
+    """Variable-batch inputs: each input indexed (1-3 rows shared by the samples) or not."""
+    c["indices"] = []
+    for i, e in enumerate(c["embs"]):
+        if rng.random() < 0.3:
+            c["indices"].append(None)
+            continue
+        rows = rng.randint(1, 3)
+        c["embs"][i] = torch.randn(rows, e.size(1)).to(e.dtype)
+        ix = torch.randint(0, rows, (c["batch"],))
+        c["indices"].append(ix.int() if rng.random() < 0.5 else ix)
+
+
+def _mutate_indices(rng, c: dict) -> None:
+    """Bad indices: out of range, wrong dtype, rank or length; a list of the wrong length."""
+    given = [i for i, ix in enumerate(c["indices"]) if ix is not None]
+    kind = rng.choice(("range", "range", "dtype", "rank", "length", "list", "strided"))
+    if kind == "list":
+        c["indices"] = c["indices"][:-1] if c["indices"] else [torch.zeros(c["batch"], dtype=torch.long)]
+        return
+    if not given:
+        return
+    i = rng.choice(given)
+    ix = c["indices"][i]
+    if kind == "range" and ix.numel():
+        c["indices"][i] = _set_cell(rng, ix.to(torch.int64)).to(ix.dtype)
+    elif kind == "dtype":
+        c["indices"][i] = ix.to(rng.choice(META_DTYPES))
+    elif kind == "rank":
+        c["indices"][i] = ix.unsqueeze(0)
+    elif kind == "length":
+        c["indices"][i] = torch.cat([ix, ix[:1] if ix.numel() else torch.zeros(1, dtype=ix.dtype)])
+    else:  # valid: a strided index
+        c["indices"][i] = torch.stack([ix, ix], 1)[:, 0]
+
+
 def make_case(seed: int):
     """``(op, args)`` for one seed: a valid call, then 0-3 mutations."""
     rng = random.Random(seed)
@@ -232,6 +269,10 @@ def make_case(seed: int):
     c["grad_dtype"] = next((g.dtype for g in c["grads"] if g is not None), torch.float32)
     c["to_dtype"] = rng.choice((None,) + DATA_DTYPES)
     c["outs"] = [torch.full((c["batch"], n), 7).to(c["dtype"]) for n in c["out_lengths"]]
+    if op == "permute_multi_embedding_vbe":
+        _vbe_inputs(rng, c)
+        if rng.random() < 0.5:
+            _mutate_indices(rng, c)
     for _ in range(rng.choice((0, 1, 1, 2, 3))):
         try:
             _mutate(rng, c)
@@ -247,6 +288,8 @@ def make_case(seed: int):
     elif op == "permute_multi_embedding_backward":
         args = (c["grads"], *meta, c["in_lengths"], c.get("batch_size", c["batch"]),
                 c["grad_dtype"])
+    elif op == "permute_multi_embedding_vbe":
+        args = (c["embs"], c["indices"], *meta, c["out_lengths"])
     elif op == "kt_regroup_arguments":
         args = (c["embs"][0] if c["embs"] else torch.empty(0), c["keys"], c["lengths"], c["groups"])
     else:
@@ -332,6 +375,20 @@ def contract(op: str, args):
         _require(len(embs) == len(keys), "a tensor per input")
         _forward(embs, *rows)
         return ref.permute_multi_embedding_reference(embs, *rows)
+    if op == "permute_multi_embedding_vbe":
+        embs, indices, permutes, in_shapes, out_shapes, out_lengths = args
+        _require(len(embs) > 0 and all(e.dim() == 2 for e in embs), "pooled_embs: 2-D, not empty")
+        _require(len(indices) in (0, len(embs)), "an index per input, or none")
+        indices = indices or [None] * len(embs)
+        for e, ix in zip(embs, indices):
+            _require(e.dtype == embs[0].dtype and e.device == embs[0].device, "one dtype, device")
+            if ix is not None:
+                _require(ix.dtype in (torch.int32, torch.int64) and ix.dim() == 1, "index: int 1-D")
+                _require(all(0 <= v < e.size(0) for v in ix.tolist()), "index in range")
+        expanded = [e if ix is None else e.index_select(0, ix) for e, ix in zip(embs, indices)]
+        _forward(expanded, permutes, in_shapes, out_shapes, out_lengths)
+        return ref.permute_multi_embedding_reference(expanded, permutes, in_shapes, out_shapes,
+                                                     out_lengths)
     if op == "permute_multi_embedding_backward":
         grads, permutes, in_shapes, out_shapes, in_lengths, batch, dtype = args
         defined = [g for g in grads if g is not None]

@@ -102,4 +102,14 @@ TensorPtrs grad_pointers(
     const c10::List<std::optional<at::Tensor>>& grad_outputs,
     std::vector<std::optional<at::Tensor>>& held);
 
+// check_forward for inputs whose row counts differ (the variable-batch op, vbe.cpp):
+// everything check_forward checks except one batch size for all inputs.
+std::vector<Segment> check_forward_rows(
+    const char* op,
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths);
+
 }  // namespace kt_regroup

@@ -41,7 +41,8 @@ void check_tensor_list(
     const char* op,
     const char* name,
     const TensorPtrs& tensors,
-    bool same_dtype = true) {
+    bool same_dtype = true,
+    bool same_batch = true) {
   const auto first_it = std::find_if(
       tensors.begin(), tensors.end(), [](const at::Tensor* t) { return t != nullptr; });
   TORCH_CHECK_VALUE(first_it != tensors.end(), "kt_regroup.", op, ": ", name, " is empty");
@@ -62,7 +63,7 @@ void check_tensor_list(
         "] is ", t.scalar_type(), " but ", name, "[", i0, "] is ", first.scalar_type(),
         "; all must have one dtype (permute_multi_embedding_to with a dtype casts mixed inputs)");
     TORCH_CHECK_VALUE(
-        t.size(0) == first.size(0), "kt_regroup.", op, ": ", name, "[", i,
+        !same_batch || t.size(0) == first.size(0), "kt_regroup.", op, ": ", name, "[", i,
         "] has batch size ", t.size(0), " but ", name, "[", i0, "] has ", first.size(0),
         "; all must have the same batch size");
   }
@@ -197,17 +198,20 @@ std::vector<Segment> check_rows(
 
 }  // namespace
 
-std::vector<Segment> check_forward(
+namespace {
+
+std::vector<Segment> check_forward_impl(
     const char* op,
     at::TensorList pooled_embs,
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths,
-    bool same_dtype) {
+    bool same_dtype,
+    bool same_batch) {
   TensorPtrs ptrs;
   for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
-  check_tensor_list(op, "pooled_embs", ptrs, same_dtype);
+  check_tensor_list(op, "pooled_embs", ptrs, same_dtype, same_batch);
   check_metadata(
       op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size(),
       pooled_embs[0].device());
@@ -222,6 +226,31 @@ std::vector<Segment> check_forward(
         in_declared[i], " but pooled_embs[", i, "] has ", in_widths[i], " columns");
   }
   return check_rows(op, permutes, in_widths, out_widths);
+}
+
+}  // namespace
+
+std::vector<Segment> check_forward(
+    const char* op,
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths,
+    bool same_dtype) {
+  return check_forward_impl(
+      op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, same_dtype, true);
+}
+
+std::vector<Segment> check_forward_rows(
+    const char* op,
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths) {
+  return check_forward_impl(
+      op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, true, false);
 }
 
 std::vector<Segment> check_backward(

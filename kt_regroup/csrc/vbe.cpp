@@ -1,0 +1,568 @@
+// The variable-batch (VBE) regroup: per-feature pooled tensors whose rows are shared by
+// several samples, expanded by index tensors and regrouped in one pass.
+//
+//   permute_multi_embedding_vbe(pooled_embs, indices, permutes, ...)[j][b, out_cols]
+//       = pooled_embs[i][indices[i][b], in_cols]        for every permute row (i -> j)
+//
+// indices[i] None (or an empty list): input i has one row per sample. The plan is the
+// permute-row format of permute_multi_embedding. The backward accumulates every sample's
+// gradient into its row in sample order (a counting sort of each index, then rows owned
+// by one thread each: deterministic, no atomics), duplicated keys summed in plan order,
+// unused rows exact zeros; all input gradients are views of one allocation.
+//
+// Schemas, checks, the CPU kernels, a portable kernel (ATen, every other device) and the
+// autograd live here; the fake kernels in kt_regroup/ops.py.
+
+#include "kt_regroup.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <numeric>
+#include <type_traits>
+
+namespace kt_regroup {
+namespace {
+
+using OptionalTensors = c10::List<std::optional<at::Tensor>>;
+constexpr const char* kForward = "permute_multi_embedding_vbe";
+constexpr const char* kBackward = "permute_multi_embedding_vbe_backward";
+
+// ---- checks ----------------------------------------------------------------------------
+
+// The index tensors of a call (nullopt: input i has one row per sample), checked against
+// the inputs' row counts: 1-D, int32/int64, the data's device, one length (the batch).
+// Returns the batch size; `rows[i]` is input i's row count.
+int64_t check_indices(
+    const char* op,
+    const std::vector<std::optional<at::Tensor>>& indices,
+    const std::vector<int64_t>& rows,
+    std::optional<c10::Device> device,
+    std::optional<int64_t> batch) {
+  TORCH_CHECK_VALUE(
+      indices.empty() || indices.size() == rows.size(), "kt_regroup.", op, ": indices has ",
+      indices.size(), " entries but there are ", rows.size(),
+      " inputs; give one per input (None: one row per sample) or none");
+  int64_t first = -1;  // the input that fixed the batch size
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const bool has = !indices.empty() && indices[i].has_value() && indices[i]->defined();
+    int64_t n = rows[i];
+    if (has) {
+      const at::Tensor& idx = *indices[i];
+      TORCH_CHECK_VALUE(
+          idx.dim() == 1, "kt_regroup.", op, ": indices[", i, "] must be 1-D [batch], got ",
+          idx.dim(), " dims");
+      TORCH_CHECK_TYPE(
+          idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong, "kt_regroup.", op,
+          ": indices[", i, "] must be int32 or int64, got ", idx.scalar_type());
+      TORCH_CHECK_VALUE(
+          !device.has_value() || idx.device() == *device, "kt_regroup.", op, ": indices[", i,
+          "] is on ", idx.device(), " but the data is on ", *device);
+      n = idx.size(0);
+    }
+    if (!batch.has_value()) {
+      batch = n;
+      first = static_cast<int64_t>(i);
+      continue;
+    }
+    TORCH_CHECK_VALUE(
+        n == *batch, "kt_regroup.", op, ": input ", i, " has ", n,
+        has ? " samples (indices[" : " rows and no index (indices[", i, "] is None)",
+        has ? "] length)" : "", " but the batch has ", *batch,
+        first >= 0 ? " (from input " + std::to_string(first) + ")" : std::string());
+  }
+  return batch.value_or(0);
+}
+
+// Every index inside its input: the error names the input and the sample.
+template <typename index_t>
+void check_range(const char* op, const at::Tensor& idx, int64_t i, int64_t rows) {
+  const index_t* p = idx.const_data_ptr<index_t>();
+  const int64_t n = idx.size(0), s = idx.stride(0);
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t v = static_cast<int64_t>(p[b * s]);
+    TORCH_CHECK_INDEX(
+        v >= 0 && v < rows, "kt_regroup.", op, ": indices[", i, "][", b, "] = ", v,
+        " is out of range for input ", i, ", which has ", rows, " rows");
+  }
+}
+
+void check_ranges(
+    const char* op,
+    const std::vector<std::optional<at::Tensor>>& indices,
+    const std::vector<int64_t>& rows) {
+  for (size_t i = 0; i < indices.size(); ++i) {
+    if (!indices[i].has_value() || !indices[i]->defined()) continue;
+    const at::Tensor host = indices[i]->is_cpu() ? *indices[i] : indices[i]->cpu();
+    if (host.scalar_type() == at::kInt) {
+      check_range<int32_t>(op, host, static_cast<int64_t>(i), rows[i]);
+    } else {
+      check_range<int64_t>(op, host, static_cast<int64_t>(i), rows[i]);
+    }
+  }
+}
+
+std::vector<std::optional<at::Tensor>> held(const OptionalTensors& list) {
+  return std::vector<std::optional<at::Tensor>>(list.begin(), list.end());
+}
+
+struct Forward {
+  std::vector<Segment> segments;
+  std::vector<std::optional<at::Tensor>> indices;
+  int64_t batch;
+};
+
+Forward check_vbe_forward(
+    at::TensorList pooled_embs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths) {
+  Forward f;
+  f.segments =
+      check_forward_rows(kForward, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  std::vector<int64_t> rows;
+  for (const at::Tensor& t : pooled_embs) rows.push_back(t.size(0));
+  f.indices = held(indices);
+  f.batch = check_indices(kForward, f.indices, rows, pooled_embs[0].device(), std::nullopt);
+  check_ranges(kForward, f.indices, rows);
+  return f;
+}
+
+struct Backward {
+  std::vector<Segment> segments;
+  std::vector<std::optional<at::Tensor>> indices;
+  std::vector<std::optional<at::Tensor>> grads_held;
+  TensorPtrs grads;
+  int64_t batch;
+};
+
+Backward check_vbe_backward(
+    const OptionalTensors& grad_outputs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    c10::IntArrayRef in_rows,
+    c10::ScalarType dtype) {
+  Backward k;
+  k.grads = grad_pointers(grad_outputs, k.grads_held);
+  TORCH_CHECK_VALUE(
+      in_rows.size() == in_lengths.size(), "kt_regroup.", kBackward, ": in_rows has ",
+      in_rows.size(), " entries but in_lengths has ", in_lengths.size());
+  std::vector<int64_t> rows(in_rows.begin(), in_rows.end());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    TORCH_CHECK_VALUE(
+        rows[i] >= 0, "kt_regroup.", kBackward, ": in_rows[", i, "] is negative (", rows[i], ")");
+  }
+  std::optional<c10::Device> device;
+  std::optional<int64_t> batch;
+  for (const at::Tensor* g : k.grads) {
+    if (g && g->dim() >= 1) {
+      device = g->device();
+      batch = g->size(0);
+    }
+  }
+  for (size_t j = 0; j < k.grads.size(); ++j) {
+    TORCH_CHECK_TYPE(
+        !k.grads[j] || k.grads[j]->scalar_type() == dtype, "kt_regroup.", kBackward,
+        ": grad_outputs[", j, "] is ", k.grads[j] ? k.grads[j]->scalar_type() : dtype,
+        " but dtype is ", dtype, "; the gradients must have the inputs' dtype");
+  }
+  k.indices = held(indices);
+  k.batch = check_indices(kBackward, k.indices, rows, device, batch);
+  k.segments = check_backward(
+      kBackward, k.grads, permutes, in_shapes, out_shapes, in_lengths, k.batch);
+  check_ranges(kBackward, k.indices, rows);
+  return k;
+}
+
+// The input gradients: views of one zeroed allocation.
+std::vector<at::Tensor> gradient_views(
+    c10::IntArrayRef in_rows,
+    c10::IntArrayRef in_lengths,
+    const at::TensorOptions& options,
+    at::Tensor* buffer) {
+  int64_t total = 0;
+  for (size_t i = 0; i < in_rows.size(); ++i) total += in_rows[i] * in_lengths[i];
+  *buffer = at::empty({total}, options);
+  std::vector<at::Tensor> out;
+  int64_t offset = 0;
+  for (size_t i = 0; i < in_rows.size(); ++i) {
+    const int64_t n = in_rows[i] * in_lengths[i];
+    out.push_back(buffer->narrow(0, offset, n).view({in_rows[i], in_lengths[i]}));
+    offset += n;
+  }
+  return out;
+}
+
+bool has_index(const std::vector<std::optional<at::Tensor>>& indices, size_t i) {
+  return !indices.empty() && indices[i].has_value() && indices[i]->defined();
+}
+
+// ---- portable kernels (ATen; every device without a native kernel) -------------------------
+
+std::vector<at::Tensor> vbe_portable(
+    at::TensorList pooled_embs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths) {
+  const Forward f =
+      check_vbe_forward(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+  std::vector<at::Tensor> outs;
+  for (int64_t n : out_lengths) outs.push_back(at::zeros({f.batch, n}, pooled_embs[0].options()));
+  for (const Segment& s : f.segments) {
+    at::Tensor src = pooled_embs[s.in_t].narrow(1, s.in_off, s.length);
+    if (has_index(f.indices, s.in_t)) src = src.index_select(0, *f.indices[s.in_t]);
+    outs[s.out_t].narrow(1, s.out_off, s.length).copy_(src);
+  }
+  return outs;
+}
+
+std::vector<at::Tensor> vbe_backward_portable(
+    const OptionalTensors& grad_outputs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    c10::IntArrayRef in_rows,
+    c10::ScalarType dtype) {
+  const Backward k = check_vbe_backward(
+      grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
+  c10::Device device = permutes.device();
+  for (const at::Tensor* g : k.grads) {
+    if (g) device = g->device();
+  }
+  at::Tensor buffer;
+  std::vector<at::Tensor> grads =
+      gradient_views(in_rows, in_lengths, at::TensorOptions().dtype(dtype).device(device), &buffer);
+  buffer.zero_();
+  for (const Segment& s : k.segments) {
+    if (!k.grads[s.out_t]) continue;
+    const at::Tensor src = k.grads[s.out_t]->narrow(1, s.out_off, s.length);
+    at::Tensor dst = grads[s.in_t].narrow(1, s.in_off, s.length);
+    if (has_index(k.indices, s.in_t)) {
+      dst.index_add_(0, *k.indices[s.in_t], src);
+    } else {
+      dst.add_(src);
+    }
+  }
+  return grads;
+}
+
+// ---- CPU kernels -----------------------------------------------------------------------------
+
+// A 2-D tensor whose rows are contiguous runs (unit column stride).
+at::Tensor rows_contiguous(const at::Tensor& t) {
+  return t.size(1) <= 1 || t.stride(1) == 1 ? t : t.contiguous();
+}
+
+// Row r of an input for sample b: through its index, or b.
+struct RowMap {
+  const void* data = nullptr;  // nullptr for an empty index too: `indexed` tells
+  int64_t stride = 0;
+  bool is32 = false;
+  bool indexed = false;
+  int64_t operator()(int64_t b) const {
+    if (!indexed) return b;
+    return is32 ? static_cast<const int32_t*>(data)[b * stride]
+                : static_cast<const int64_t*>(data)[b * stride];
+  }
+};
+
+std::vector<RowMap> row_maps(
+    const std::vector<std::optional<at::Tensor>>& indices,
+    size_t n_in,
+    std::vector<at::Tensor>& keep) {
+  std::vector<RowMap> maps(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    if (!has_index(indices, i)) continue;
+    const at::Tensor& idx = *indices[i];
+    keep.push_back(idx);
+    maps[i] = RowMap{idx.const_data_ptr(), idx.stride(0), idx.scalar_type() == at::kInt, true};
+  }
+  return maps;
+}
+
+std::vector<at::Tensor> vbe_cpu(
+    at::TensorList pooled_embs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths) {
+  const Forward f =
+      check_vbe_forward(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+  const at::TensorOptions options = pooled_embs[0].options();
+  const bool tiled = segments_tile_outputs(f.segments, out_lengths);
+  std::vector<at::Tensor> outs;
+  for (int64_t n : out_lengths) {
+    outs.push_back(tiled ? at::empty({f.batch, n}, options) : at::zeros({f.batch, n}, options));
+  }
+  if (f.batch == 0 || f.segments.empty()) return outs;
+  std::vector<at::Tensor> inputs;
+  for (const at::Tensor& t : pooled_embs) inputs.push_back(rows_contiguous(t));
+  std::vector<at::Tensor> keep;
+  const std::vector<RowMap> maps = row_maps(f.indices, inputs.size(), keep);
+  const int64_t es = static_cast<int64_t>(options.dtype().itemsize());
+  struct Copy {
+    const char* src;
+    int64_t src_stride;  // bytes per input row
+    char* dst;
+    int64_t dst_stride;
+    int64_t bytes;
+    const RowMap* map;
+  };
+  std::vector<Copy> copies;
+  int64_t bytes_per_sample = 0;
+  for (const Segment& s : f.segments) {
+    const at::Tensor& in = inputs[s.in_t];
+    const at::Tensor& out = outs[s.out_t];
+    copies.push_back(Copy{
+        static_cast<const char*>(in.const_data_ptr()) + s.in_off * es, in.stride(0) * es,
+        static_cast<char*>(out.data_ptr()) + s.out_off * es, out.stride(0) * es, s.length * es,
+        &maps[s.in_t]});
+    bytes_per_sample += s.length * es;
+  }
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, bytes_per_sample));
+  at::parallel_for(0, f.batch, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (const Copy& c : copies) {
+        std::memcpy(c.dst + b * c.dst_stride, c.src + (*c.map)(b) * c.src_stride, c.bytes);
+      }
+    }
+  });
+  return outs;
+}
+
+// Per input: the samples of each row, in sample order (a counting sort of its index).
+struct Csr {
+  std::vector<int64_t> start;    // rows + 1
+  std::vector<int64_t> samples;  // batch
+};
+
+Csr samples_by_row(const RowMap& map, int64_t rows, int64_t batch) {
+  Csr c;
+  c.start.assign(rows + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) ++c.start[map(b) + 1];
+  for (int64_t r = 0; r < rows; ++r) c.start[r + 1] += c.start[r];
+  c.samples.resize(batch);
+  std::vector<int64_t> next(c.start.begin(), c.start.end() - 1);
+  for (int64_t b = 0; b < batch; ++b) c.samples[next[map(b)]++] = b;
+  return c;
+}
+
+template <typename scalar_t>
+void vbe_backward_cpu_typed(
+    const Backward& k,
+    const std::vector<at::Tensor>& grad_outs,  // undefined: None
+    c10::IntArrayRef in_rows,
+    c10::IntArrayRef in_lengths,
+    std::vector<at::Tensor>& grads) {
+  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  const size_t n_in = in_rows.size();
+  std::vector<std::vector<const Segment*>> by_input(n_in);
+  for (const Segment& s : k.segments) {
+    if (grad_outs[s.out_t].defined()) by_input[s.in_t].push_back(&s);
+  }
+  std::vector<at::Tensor> keep;
+  const std::vector<RowMap> maps = row_maps(k.indices, n_in, keep);
+  // One task per input; each owns its rows, so no two threads write one element.
+  at::parallel_for(0, static_cast<int64_t>(n_in), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<acc_t> acc;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t rows = in_rows[i], width = in_lengths[i];
+      scalar_t* out = grads[i].data_ptr<scalar_t>();
+      if (rows * width == 0) continue;
+      if (by_input[i].empty()) {
+        std::fill(out, out + rows * width, scalar_t(0));
+        continue;
+      }
+      const bool indexed = maps[i].indexed;
+      const Csr csr = indexed ? samples_by_row(maps[i], rows, k.batch) : Csr{};
+      acc.assign(width, acc_t(0));
+      for (int64_t r = 0; r < rows; ++r) {
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        const int64_t lo = indexed ? csr.start[r] : r, hi = indexed ? csr.start[r + 1] : r + 1;
+        for (const Segment* s : by_input[i]) {
+          const at::Tensor& g = grad_outs[s->out_t];
+          const scalar_t* gp = g.const_data_ptr<scalar_t>() + s->out_off;
+          const int64_t gs = g.stride(0);
+          acc_t* a = acc.data() + s->in_off;
+          for (int64_t q = lo; q < hi; ++q) {
+            const scalar_t* row = gp + (indexed ? csr.samples[q] : q) * gs;
+            for (int64_t c = 0; c < s->length; ++c) a[c] += static_cast<acc_t>(row[c]);
+          }
+        }
+        scalar_t* o = out + r * width;
+        for (int64_t c = 0; c < width; ++c) o[c] = static_cast<scalar_t>(acc[c]);
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> vbe_backward_cpu(
+    const OptionalTensors& grad_outputs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    c10::IntArrayRef in_rows,
+    c10::ScalarType dtype) {
+  const bool native = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+      dtype == at::kBFloat16;
+  if (!native) {
+    return vbe_backward_portable(
+        grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
+  }
+  const Backward k = check_vbe_backward(
+      grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
+  std::vector<at::Tensor> grad_outs;
+  for (const at::Tensor* g : k.grads) {
+    grad_outs.push_back(g ? rows_contiguous(*g) : at::Tensor());
+  }
+  at::Tensor buffer;
+  std::vector<at::Tensor> grads =
+      gradient_views(in_rows, in_lengths, at::TensorOptions().dtype(dtype), &buffer);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "vbe_backward_cpu", [&] {
+    vbe_backward_cpu_typed<scalar_t>(k, grad_outs, in_rows, in_lengths, grads);
+  });
+  return grads;
+}
+
+// ---- autograd --------------------------------------------------------------------------------
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::vector<at::Tensor> call_vbe(
+    at::TensorList pooled_embs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef out_lengths) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_vbe", "")
+                       .typed<std::vector<at::Tensor>(
+                           at::TensorList, const OptionalTensors&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef)>();
+  return op.call(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+}
+
+std::vector<at::Tensor> call_vbe_backward(
+    const OptionalTensors& grad_outputs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef in_lengths,
+    c10::SymIntArrayRef in_rows,
+    c10::ScalarType dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_vbe_backward", "")
+                       .typed<std::vector<at::Tensor>(
+                           const OptionalTensors&, const OptionalTensors&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef,
+                           c10::SymIntArrayRef, c10::ScalarType)>();
+  return op.call(grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
+}
+
+class VbeFunction : public torch::autograd::Function<VbeFunction> {
+ public:
+  static variable_list forward(
+      AutogradContext* ctx,
+      at::TensorList pooled_embs,
+      const OptionalTensors& indices,
+      const at::Tensor& permutes,
+      const at::Tensor& in_shapes,
+      const at::Tensor& out_shapes,
+      c10::SymIntArrayRef out_lengths) {
+    std::vector<c10::SymInt> widths, rows;
+    for (const at::Tensor& t : pooled_embs) {
+      rows.push_back(t.dim() == 2 ? t.sym_size(0) : c10::SymInt(0));
+      widths.push_back(t.dim() == 2 ? t.sym_size(1) : c10::SymInt(0));
+    }
+    ctx->saved_data["in_lengths"] = c10::IValue(c10::SymIntArrayRef(widths));
+    ctx->saved_data["in_rows"] = c10::IValue(c10::SymIntArrayRef(rows));
+    ctx->saved_data["dtype"] =
+        pooled_embs.empty() ? at::kFloat : pooled_embs[0].scalar_type();
+    ctx->saved_data["indices"] = indices;
+    ctx->saved_data["permutes"] = permutes;
+    ctx->saved_data["in_shapes"] = in_shapes;
+    ctx->saved_data["out_shapes"] = out_shapes;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_vbe(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto& saved = ctx->saved_data;
+    OptionalTensors grads;
+    for (const at::Tensor& g : grad_outputs) {
+      grads.push_back(g.defined() ? std::optional<at::Tensor>(g) : std::nullopt);
+    }
+    variable_list out = call_vbe_backward(
+        grads, saved.at("indices").to<OptionalTensors>(), saved.at("permutes").toTensor(),
+        saved.at("in_shapes").toTensor(), saved.at("out_shapes").toTensor(),
+        saved.at("in_lengths").toSymIntVector(), saved.at("in_rows").toSymIntVector(),
+        saved.at("dtype").toScalarType());
+    out.resize(out.size() + 5);  // indices, permutes, in_shapes, out_shapes, out_lengths
+    return out;
+  }
+};
+
+std::vector<at::Tensor> vbe_autograd(
+    at::TensorList pooled_embs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::SymIntArrayRef out_lengths) {
+  const bool grad = at::GradMode::is_enabled() &&
+      std::any_of(pooled_embs.begin(), pooled_embs.end(),
+                  [](const at::Tensor& t) { return t.requires_grad(); });
+  if (!grad) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_vbe(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+  }
+  return VbeFunction::apply(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+}
+
+}  // namespace
+}  // namespace kt_regroup
+
+TORCH_LIBRARY_FRAGMENT(kt_regroup, m) {
+  m.def(
+      "permute_multi_embedding_vbe(Tensor[] pooled_embs, Tensor?[] indices, Tensor permutes, "
+      "Tensor in_shapes, Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]");
+  m.def(
+      "permute_multi_embedding_vbe_backward(Tensor?[] grad_outputs, Tensor?[] indices, "
+      "Tensor permutes, Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, "
+      "SymInt[] in_rows, ScalarType dtype) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(kt_regroup, CompositeExplicitAutograd, m) {
+  m.impl("permute_multi_embedding_vbe", TORCH_FN(kt_regroup::vbe_portable));
+  m.impl("permute_multi_embedding_vbe_backward", TORCH_FN(kt_regroup::vbe_backward_portable));
+}
+
+TORCH_LIBRARY_IMPL(kt_regroup, CPU, m) {
+  m.impl("permute_multi_embedding_vbe", TORCH_FN(kt_regroup::vbe_cpu));
+  m.impl("permute_multi_embedding_vbe_backward", TORCH_FN(kt_regroup::vbe_backward_cpu));
+}
+
+TORCH_LIBRARY_IMPL(kt_regroup, Autograd, m) {
+  m.impl("permute_multi_embedding_vbe", TORCH_FN(kt_regroup::vbe_autograd));
+}

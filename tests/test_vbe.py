@@ -1,0 +1,345 @@
+"""Variable-batch (VBE) regroup: ``permute_multi_embedding_vbe`` against the reference
+(``index_select`` per input, then the slices of ``tests/reference.py``)."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import permute_multi_embedding_reference
+
+import kt_regroup  # noqa: F401
+from kt_regroup.ops import kt_regroup_arguments, permute_multi_embedding_vbe
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+OP = torch.ops.kt_regroup.permute_multi_embedding_vbe
+
+
+def _reference(pooled, indices, permutes, in_shapes, out_shapes, out_lengths):
+    expanded = [p if ix is None else p.index_select(0, ix) for p, ix in zip(pooled, indices)]
+    return permute_multi_embedding_reference(expanded, permutes, in_shapes, out_shapes, out_lengths)
+
+
+@st.composite
+def layouts(draw):
+    """``(pooled, indices, keys, lengths, groups)``: inputs of 1-3 keys, each input indexed
+    (rows shared by samples) or not (one row per sample)."""
+    batch = draw(st.sampled_from((0, 1, 2, 5)))
+    dtype = draw(st.sampled_from(DTYPES))
+    n_in = draw(st.integers(1, 4))
+    keys, lengths, pooled, indices = [], [], [], []
+    for i in range(n_in):
+        keys.append([f"f{i}_{k}" for k in range(draw(st.integers(1, 3)))])
+        lengths.append([draw(st.sampled_from((0, 1, 3, 4))) for _ in keys[-1]])
+        width = sum(lengths[-1])
+        indexed = draw(st.booleans())
+        rows = draw(st.integers(1, 4)) if indexed else batch
+        mode = draw(st.sampled_from(("random", "one_row", "strided", "transposed")))
+        if mode == "strided":  # rows and columns strided
+            p = torch.randn(rows * 2, width * 2 + 1)[::2, 1::2][:, :width]
+        elif mode == "transposed":
+            p = torch.randn(width, rows).t()
+        else:
+            p = torch.randn(rows, width)
+        pooled.append(p.to(dtype))
+        if not indexed:
+            indices.append(None)
+            continue
+        if mode == "one_row":  # every sample on one row; the others unused
+            ix = torch.full((batch,), draw(st.integers(0, rows - 1)))
+        else:
+            ix = torch.tensor([draw(st.integers(0, rows - 1)) for _ in range(batch)], dtype=torch.long)
+        if draw(st.booleans()):
+            ix = ix.int()
+        if draw(st.booleans()) and batch > 0:  # a strided index
+            ix = torch.stack([ix, torch.zeros_like(ix)], 1)[:, 0]
+        indices.append(ix)
+    every = [k for ks in keys for k in ks]
+    n_groups = draw(st.integers(1, 3))
+    # duplicates across and within groups; keys used by no group too
+    groups = [draw(st.lists(st.sampled_from(every), max_size=5)) for _ in range(n_groups)]
+    return pooled, indices, keys, lengths, groups
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_vbe_matches_reference_forward_and_backward(layout):
+    pooled, indices, keys, lengths, groups = layout
+    plan = kt_regroup_arguments(pooled[0], keys, lengths, groups)
+    before = [p.clone() for p in pooled], [None if i is None else i.clone() for i in indices]
+    leaves = [p.detach().requires_grad_() for p in pooled]
+    ref_leaves = [p.detach().requires_grad_() for p in pooled]
+    outs = permute_multi_embedding_vbe(leaves, indices, *plan)
+    expected = _reference(ref_leaves, indices, *plan)
+    assert len(outs) == len(expected)
+    for o, e in zip(outs, expected):
+        assert torch.equal(o, e)  # a copy: exact
+    grads = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+    live = [(e, g) for e, g in zip(expected, grads) if e.requires_grad]  # a group of no rows: none
+    want = (torch.autograd.grad([e for e, _ in live], ref_leaves, [g for _, g in live],
+                                allow_unused=True) if live else [None] * len(pooled))
+    half = pooled[0].dtype in (torch.float16, torch.bfloat16)
+    for g, w, p in zip(got, want, pooled):
+        assert g is not None and g.dtype == p.dtype and g.shape == p.shape
+        w = torch.zeros_like(p) if w is None else w
+        torch.testing.assert_close(g, w, **({"atol": 2e-2, "rtol": 2e-2} if half else {}))
+    # unused rows get exact zeros; the same call gives the same bits
+    for g, ix in zip(got, indices):
+        if ix is not None:
+            unused = torch.ones(g.size(0), dtype=torch.bool)
+            unused[ix.long()] = False
+            assert torch.equal(g[unused], torch.zeros_like(g[unused]))
+    again = torch.autograd.grad(
+        permute_multi_embedding_vbe(leaves, indices, *plan), leaves, grads, allow_unused=True
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    # the input gradients share one allocation
+    storages = {g.untyped_storage().data_ptr() for g in got if g.numel() > 0}
+    assert len(storages) <= 1
+    # inputs unmodified
+    assert all(torch.equal(a, b) for a, b in zip(pooled, before[0]))
+    assert all(a is None or torch.equal(a, b) for a, b in zip(indices, before[1]))
+
+
+def _sample(batch=4, dtype=torch.float32, idx_dtype=torch.long, requires_grad=False):
+    a = torch.randn(3, 4, dtype=dtype, requires_grad=requires_grad)
+    b = torch.randn(batch, 2, dtype=dtype, requires_grad=requires_grad)
+    c = torch.randn(2, 3, dtype=dtype, requires_grad=requires_grad)
+    ia = torch.tensor([2, 0, 2, 1][:batch] + [0] * max(0, batch - 4), dtype=idx_dtype)
+    ic = torch.tensor([1] * batch, dtype=idx_dtype)
+    keys, lengths = [["a"], ["b"], ["c"]], [[4], [2], [3]]
+    plan = kt_regroup_arguments(a, keys, lengths, [["c", "a"], ["b", "a", "c"]])
+    return [a, b, c], [ia, None, ic], plan
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+@pytest.mark.parametrize("batch", (0, 1, 4))
+def test_vbe_opcheck(dtype, batch):
+    pooled, indices, plan = _sample(batch, dtype, requires_grad=True)
+    torch.library.opcheck(OP.default, (pooled, indices, *plan))
+    backward = torch.ops.kt_regroup.permute_multi_embedding_vbe_backward.default
+    grads = [torch.randn(batch, n, dtype=dtype) for n in plan[3]]
+    rows, widths = [p.size(0) for p in pooled], [p.size(1) for p in pooled]
+    torch.library.opcheck(backward, (grads, indices, *plan[:3], widths, rows, dtype))
+    torch.library.opcheck(backward, ([None, grads[1]], indices, *plan[:3], widths, rows, dtype))
+
+
+def test_vbe_gradcheck_float64():
+    pooled, indices, plan = _sample(5, torch.float64, torch.int32, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *p: permute_multi_embedding_vbe(list(p), indices, *plan), pooled
+    )
+
+
+def test_vbe_without_indices_is_the_regroup():
+    pooled, _, plan = _sample(3)
+    pooled = [p[:1].expand(3, -1).contiguous() for p in pooled]
+    for indices in ([], [None, None, None]):
+        got = permute_multi_embedding_vbe(pooled, indices, *plan)
+        want = torch.ops.kt_regroup.permute_multi_embedding(pooled, *plan)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_vbe_compiles_with_a_dynamic_batch():
+    pooled, indices, plan = _sample(4)
+    fn = torch.compile(lambda p, i: permute_multi_embedding_vbe(p, i, *plan), dynamic=True,
+                       fullgraph=True, backend="aot_eager")
+    for batch in (4, 6):
+        idx = [torch.randint(0, p.size(0), (batch,)) if i is not None else None
+               for p, i in zip(pooled, indices)]
+        p = [pooled[0], torch.randn(batch, 2), pooled[2]]
+        got, want = fn(p, idx), _reference(p, idx, *plan)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda i: [i[0], None, torch.tensor([1, 1, 5, 1])], IndexError,
+         r"indices\[2\]\[2\] = 5 is out of range for input 2, which has 2 rows"),
+        (lambda i: [torch.tensor([0, -1, 0, 0]), None, i[2]], IndexError,
+         r"indices\[0\]\[1\] = -1 is out of range for input 0"),
+        (lambda i: [i[0], None, i[2][:3]], ValueError, r"input 2 has 3 samples"),
+        (lambda i: [i[0], None, i[2].float()], TypeError, r"indices\[2\] must be int32 or int64"),
+        (lambda i: [i[0], None, i[2][None]], ValueError, r"indices\[2\] must be 1-D"),
+        (lambda i: [i[0], None], ValueError, r"indices has 2 entries but there are 3 inputs"),
+        (lambda i: [i[0], torch.tensor([4, 0, 0, 0]), i[2]], IndexError,
+         r"indices\[1\]\[0\] = 4 is out of range for input 1, which has 4 rows"),
+    ],
+)
+def test_vbe_bad_indices_name_the_input_and_sample(change, error, match):
+    pooled, indices, plan = _sample(4)
+    with pytest.raises(error, match=match):
+        permute_multi_embedding_vbe(pooled, change(indices), *plan)
+
+
+def test_vbe_unindexed_input_with_another_batch_raises():
+    pooled, indices, plan = _sample(4)
+    pooled[1] = torch.randn(3, 2)
+    with pytest.raises(ValueError, match=r"input 1 has 3 rows and no index"):
+        permute_multi_embedding_vbe(pooled, indices, *plan)
+
+
+def test_vbe_backward_checks_dtype_and_rows():
+    pooled, indices, plan = _sample(4)
+    backward = torch.ops.kt_regroup.permute_multi_embedding_vbe_backward
+    grads = [torch.randn(4, n) for n in plan[3]]
+    with pytest.raises(TypeError, match=r"grad_outputs\[0\] is Float but dtype is Long"):
+        backward(grads, indices, *plan[:3], [4, 2, 3], [3, 4, 2], torch.long)
+    with pytest.raises(IndexError, match=r"indices\[0\]\[0\] = 2 is out of range for input 0, which has 2"):
+        backward(grads, indices, *plan[:3], [4, 2, 3], [2, 4, 2], torch.float32)
+
+
+# --- patch_torchrec(): the EmbeddingBagCollection with a variable-batch KJT ---------------
+
+import copy  # noqa: E402
+
+import torchrec.modules.regroup as tr_regroup  # noqa: E402
+from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
+from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor  # noqa: E402
+
+from kt_regroup.functional import VariableBatchKeyedTensor  # noqa: E402
+
+FEATURES = {"user": (4, 3), "hist": (8, 2), "item": (6, 5), "ctx": (3, 1)}  # name: (dim, rows)
+GROUPS = [["hist", "user"], ["item", "hist", "ctx"]]
+
+
+def vbe_kjt(batch: int = 6, seed: int = 0) -> KeyedJaggedTensor:
+    """A variable-batch KJT: feature k has ``rows`` unique rows, each sample one of them."""
+    g = torch.Generator().manual_seed(seed)
+    keys = list(FEATURES)
+    lengths, values, inverse = [], [], []
+    for k in keys:
+        rows = FEATURES[k][1]
+        n = torch.randint(0, 3, (rows,), generator=g)
+        lengths.append(n)
+        values.append(torch.randint(0, 10, (int(n.sum()),), generator=g))
+        inverse.append(torch.randint(0, rows, (batch,), generator=g))
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.cat(values), lengths=torch.cat(lengths),
+        stride_per_key_per_rank=[[FEATURES[k][1]] for k in keys],
+        inverse_indices=(keys, torch.stack(inverse)),
+    )
+
+
+class VbeModel(torch.nn.Module):
+    def __init__(self, regroup_cls) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(
+            [EmbeddingBagConfig(num_embeddings=10, embedding_dim=d, name=f"t_{k}", feature_names=[k])
+             for k, (d, _) in FEATURES.items()]
+        )
+        self.regroup = regroup_cls(GROUPS, ["a", "b"])
+
+    def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
+        return self.regroup([self.ebc(kjt)])
+
+
+def _run(model, kjt):
+    outs = model(kjt)
+    loss = sum((o * torch.arange(o.numel()).view_as(o)).sum() for o in outs.values())
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return [o.detach() for o in outs.values()], list(grads)
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("regroup", ["torchrec", "kt_regroup"])
+def test_patched_vbe_ebc_equals_unpatched_torchrec(regroup):
+    torch.manual_seed(0)
+    reference = VbeModel(tr_regroup.KTRegroupAsDict)
+    kjt = vbe_kjt()
+    want = _run(reference, kjt)
+    with kt_regroup.patch_torchrec():
+        cls = tr_regroup.KTRegroupAsDict if regroup == "torchrec" else kt_regroup.KTRegroupAsDict
+        model = VbeModel(cls)
+        model.ebc.load_state_dict(reference.ebc.state_dict())
+        kt = model.ebc(kjt)
+        assert isinstance(kt, VariableBatchKeyedTensor) and kt._expanded is None
+        got = _run(model, kjt)
+        assert kt._expanded is None  # the regroup read the pooled rows
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+
+
+def test_patched_vbe_keyed_tensor_expands_when_read():
+    torch.manual_seed(0)
+    ebc = VbeModel(tr_regroup.KTRegroupAsDict).ebc
+    kjt = vbe_kjt(batch=5, seed=1)
+    want = ebc(kjt)
+    with kt_regroup.patch_torchrec():
+        got = ebc(kjt)
+        assert type(got) is VariableBatchKeyedTensor and isinstance(got, KeyedTensor)
+        assert got.keys() == want.keys() and got.length_per_key() == want.length_per_key()
+        assert torch.equal(got.values(), want.values())
+        assert got.to_dict().keys() == want.to_dict().keys()
+        for k in want.keys():
+            assert torch.equal(got[k], want[k])
+        (g,) = torch.autograd.grad(got.values().sum(), [ebc.embedding_bags["t_hist"].weight])
+        (w,) = torch.autograd.grad(want.values().sum(), [ebc.embedding_bags["t_hist"].weight])
+        assert torch.equal(g, w)
+        # plain KJTs take torchrec's path unchanged
+        plain = KeyedJaggedTensor.from_lengths_sync(
+            list(FEATURES), torch.arange(8), torch.ones(8, dtype=torch.long)
+        )
+        assert type(ebc(plain)) is KeyedTensor
+    assert type(ebc(kjt)) is KeyedTensor  # unpatched again
+
+
+def test_patched_vbe_bad_index_names_the_key_and_sample():
+    torch.manual_seed(0)
+    kjt = vbe_kjt()
+    inverse = kjt.inverse_indices()[1].clone()
+    inverse[1, 4] = 99
+    bad = KeyedJaggedTensor(
+        keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank(),
+        inverse_indices=(kjt.keys(), inverse),
+    )
+    with kt_regroup.patch_torchrec():
+        model = VbeModel(kt_regroup.KTRegroupAsDict)
+        with pytest.raises(IndexError, match=r"key 'hist', sample 4: .*indices\[1\]\[4\] = 99"):
+            model(bad)
+
+
+def _export(ebc, kjt):
+    """``(exported program's output values, None)`` or ``(None, the error's type)``."""
+    try:
+        return torch.export.export(ebc, (kjt,), strict=False).module()(kjt).values(), None
+    except Exception as exc:  # noqa: BLE001  (compared with unpatched torchrec's outcome)
+        return None, type(exc)
+
+
+def test_patched_vbe_under_fx_torchscript_compile_and_export_is_torchrec():
+    import torchrec.fx
+
+    torch.manual_seed(0)
+    ebc = VbeModel(tr_regroup.KTRegroupAsDict).ebc
+    kjt = vbe_kjt()
+    want = ebc(kjt).values().detach()
+    fx_code = torchrec.fx.symbolic_trace(copy.deepcopy(ebc)).code
+    script_code = torch.jit.script(copy.deepcopy(ebc)).code
+    exported = _export(copy.deepcopy(ebc), kjt)
+    with kt_regroup.patch_torchrec():
+        traced = torchrec.fx.symbolic_trace(copy.deepcopy(ebc))
+        assert traced.code == fx_code and "process_pooled_embeddings" in fx_code
+        out = traced(kjt)
+        assert type(out) is KeyedTensor and torch.equal(out.values(), want)
+        scripted = torch.jit.script(copy.deepcopy(ebc))
+        assert scripted.code == script_code
+        assert torch.equal(scripted(kjt).values(), want)
+        out = torch.compile(copy.deepcopy(ebc), backend="eager")(kjt)
+        assert type(out) is KeyedTensor and torch.equal(out.values(), want)
+        got = _export(copy.deepcopy(ebc), kjt)
+    assert got[1] == exported[1]
+    if exported[1] is None:
+        assert torch.equal(got[0], exported[0])
