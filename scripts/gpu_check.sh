@@ -199,7 +199,8 @@ for name in ("fbgemm_gpu", "tensordict", "torchmetrics", "torchrec", "xdist", "p
         print(name, "unavailable:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 print("every version found:")
 EOF
-[ -f "$WORK/environment.log" ] && grep -v '^\s*$' "$WORK/environment.log" \
+# (a failed step's report already holds its output's end)
+grep -q '^every version found:$' "$WORK/environment.log" 2>/dev/null && grep -v '^\s*$' "$WORK/environment.log" \
   | grep -v '^every version found:$' | sed 's/^/    /' >>"$REPORT"
 TORCHREC=1
 if ! grep -q '^torchrec [0-9]' "$WORK/environment.log" 2>/dev/null; then
