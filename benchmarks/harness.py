@@ -1,10 +1,11 @@
-"""What every section shares: the benchmark layouts and the interleaved timer."""
+"""What every section shares: the benchmark layouts and the interleaved timers (wall
+time on any device, CUDA events on a GPU)."""
 
 from __future__ import annotations
 
 import random
 import statistics
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.benchmark import Timer
@@ -55,6 +56,62 @@ def interleaved(fns: Dict[str, Callable[[], object]], rounds: int, *,
                 if r >= warmup:
                     samples[name].append(t)
     return samples
+
+
+def device_interleaved(fns: Dict[str, Callable[[], object]], rounds: int, *, batch: int = 10
+                       ) -> Tuple[Dict[str, List[float]], Dict[str, List[float]], Dict[str, str]]:
+    """GPU seconds per call of each ``fns`` entry (its work on the current CUDA device),
+    from CUDA events, A B C A B C ... like :func:`interleaved`, with no host sync between
+    the calls the events enclose. Returns ``(eager, graph, errors)``:
+
+    - ``eager``: events around ``batch`` calls queued back to back: kernel time, plus the
+      gaps where the host launches slower than the GPU runs (eager training's throughput);
+    - ``graph``: events around ``batch`` replays of a CUDA graph of one call: kernel time
+      alone. An entry that cannot be captured (a host sync, a pageable copy) has its
+      error in ``errors`` and no ``graph`` samples.
+
+    Each graph is warmed up on a side stream and captured (``torch.cuda.graph``) before
+    the first timed round, after which one untimed eager round refills the allocator's
+    cache that capturing empties."""
+    graphs, errors = {}, {}
+    for name, fn in fns.items():
+        stream = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            fn()
+        stream.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+            graphs[name] = graph
+        except Exception as e:  # noqa: BLE001  (reported: the row keeps its eager time)
+            torch.cuda.set_stream(stream)  # a failed capture_end leaves its stream current
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    eager: Dict[str, List[float]] = {name: [] for name in fns}
+    replay: Dict[str, List[float]] = {name: [] for name in graphs}
+    for r in range(1 + rounds):
+        for name, fn in fns.items():
+            t = _events(fn, batch)
+            if r:
+                eager[name].append(t)
+                if name in graphs:
+                    replay[name].append(_events(graphs[name].replay, batch))
+    torch.cuda.synchronize()
+    return eager, replay, errors
+
+
+def _events(fn: Callable[[], object], n: int) -> float:
+    """Seconds per call of ``n`` calls of ``fn`` between two CUDA events on the current
+    stream, synchronized once after the last."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3 / n
 
 
 def segments(plan) -> int:

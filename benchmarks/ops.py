@@ -5,6 +5,12 @@ duplicate keys; forward and forward+backward (``torch.autograd.grad`` with conti
 ``ones`` or stride-0 ``expanded`` upstream gradients, what ``out.sum()`` hands back).
 Each provider's first call is untimed and checked against torchrec's cat path. The copy
 limits: ``clone`` (fresh memory) and ``copy_`` (warm memory) of the same bytes.
+
+Wall time (``p50_s``) syncs the host before and after each call: on a GPU it holds the
+launch overhead. On CUDA each row also has GPU time from CUDA events
+(:func:`benchmarks.harness.device_interleaved`): ``device_p50_s``, calls queued without a
+sync (kernel time, plus launch gaps where the host is the slower), and ``graph_p50_s``,
+replays of a CUDA graph of one call (kernel time alone); elsewhere they are None.
 """
 
 from __future__ import annotations
@@ -13,12 +19,21 @@ from typing import Callable, Dict, List
 
 import torch
 
-from benchmarks.harness import QUICK, SEED, interleaved, make_layout, median, segments
+from benchmarks.harness import (
+    QUICK,
+    SEED,
+    device_interleaved,
+    interleaved,
+    make_layout,
+    median,
+    segments,
+)
 
 KT = "kt_regroup.KTRegroupAsDict"
 FBGEMM = "torchrec.KTRegroupAsDict [fbgemm]"
 COPY = "limit: copy_"
 MODES = ("forward", "forward+backward, ones", "forward+backward, expanded")
+DEVICE_BATCH = 10  # calls (or graph replays) between two CUDA events
 
 
 def _providers(keys, lengths, groups, kts, expected, backward) -> Dict[str, Callable]:
@@ -61,7 +76,7 @@ def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scatt
 
     sizes, batch, rounds = (QUICK, 64, 2) if quick else (SEED, 1024, 7)
     cuda = torch.device(device).type == "cuda"
-    records = []
+    records, notes = [], {}
     for dup in (False, True):
         keys, lengths, groups = make_layout(**sizes, scattered=layout == "scattered",
                                             duplicates=dup, seed=seed)
@@ -77,8 +92,9 @@ def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scatt
             with torch.no_grad():
                 expected = [t.contiguous() for t in _regroup_keyed_tensors(kts, groups)]
             expanded = mode.endswith("expanded")
-            ones = [torch.ones((), device=device).expand(e.shape) if expanded
-                    else torch.ones(e.shape, device=device) for e in expected]
+            # in the outputs' dtype: autograd would cast (and so materialize) any other
+            ones = [torch.ones((), device=device, dtype=e.dtype).expand(e.shape) if expanded
+                    else torch.ones(e.shape, device=device, dtype=e.dtype) for e in expected]
             want_grads = (torch.autograd.grad(_regroup_keyed_tensors(kts, groups), values, ones)
                           if backward else None)
             fns = _providers(keys, lengths, groups, kts, expected, backward)
@@ -95,10 +111,20 @@ def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scatt
                 except Exception as e:  # noqa: BLE001  (a peer without a kernel here)
                     checks[n] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 peaks[n] = torch.cuda.max_memory_allocated() - before if cuda else None
-            samples = interleaved({n: c for n, c in calls.items() if not checks[n].startswith(
-                "error")}, rounds, warmup=0, max_rounds=None if cuda else {FBGEMM: 1})
+            timed = {n: c for n, c in calls.items() if not checks[n].startswith("error")}
+            samples = interleaved(timed, rounds, warmup=0,
+                                  max_rounds=None if cuda else {FBGEMM: 1})
             samples.update({n: [] for n in calls if n not in samples})
             meds = {n: median(ts) for n, ts in samples.items()}
+            # On CUDA, GPU time beside the wall time (which syncs the host before and
+            # after each call, so it holds the launch overhead too): events around a
+            # batch of calls queued without a sync, and around replays of a CUDA graph.
+            eager, graph, graph_errors = (device_interleaved(timed, rounds, batch=DEVICE_BATCH)
+                                          if cuda else ({}, {}, {}))
+            dmeds = {n: median(eager.get(n, [])) for n in calls}
+            gmeds = {n: median(graph.get(n, [])) for n in calls}
+            for n, e in graph_errors.items():
+                notes.setdefault(f"{n}: no CUDA graph ({e}): its graph ms is empty", None)
             out_bytes = sum(e.numel() * e.element_size() for e in expected)
             # bytes a regroup must move: outputs written and read; in forward+backward also
             # the upstream gradient read (one element when expanded), the input's written
@@ -118,9 +144,16 @@ def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scatt
                     "samples_s": ts, "n": len(ts), "p50_s": q[0], "p90_s": q[1],
                     "bytes_moved": moved, "gbps": ratio(moved / 1e9, q[0]),
                     "mem_peak_bytes": peaks[n], "vs_copy": ratio(meds[n], meds[COPY]),
-                    "vs_kt_regroup": ratio(meds[n], meds[KT]), "check": checks[n]})
+                    "vs_kt_regroup": ratio(meds[n], meds[KT]), "check": checks[n],
+                    # CUDA only (None elsewhere): seconds per call from CUDA events
+                    "device_batch": DEVICE_BATCH if cuda else None,
+                    "device_samples_s": eager.get(n) if cuda else None,
+                    "device_p50_s": dmeds[n], "vs_copy_device": ratio(dmeds[n], dmeds[COPY]),
+                    "graph_samples_s": graph.get(n) if cuda else None,
+                    "graph_p50_s": gmeds[n], "vs_copy_graph": ratio(gmeds[n], gmeds[COPY]),
+                    "graph_error": graph_errors.get(n)})
             del fns, calls, kts
-    return {"records": records, "notes": [] if cuda else [
+    return {"records": records, "notes": list(notes) if cuda else [
         "the FBGEMM row (seconds a call on CPU) is timed by one call after its checked one"]}
 
 

@@ -17,6 +17,11 @@ def _x(r: Optional[float]) -> str:
     return "—" if r is None else f"{r:.2f}"
 
 
+def _dev(r: dict, fmt: Callable[[Optional[float]], str], key: str) -> str:
+    """A CUDA-event figure: "n/a" where the row ran off CUDA (no such figure)."""
+    return "n/a" if r.get("device_batch") is None else fmt(r.get(key))
+
+
 # section -> (title of a table, columns: (header, cell))
 Columns = List[Tuple[str, Callable[[dict], str]]]
 TABLES: Dict[str, Tuple[Callable[[dict], str], Columns]] = {
@@ -40,8 +45,13 @@ TABLES: Dict[str, Tuple[Callable[[dict], str], Columns]] = {
             [("provider", lambda r: r["provider"]), ("P50 ms", lambda r: _ms(r["p50_s"])),
              ("P90 ms", lambda r: _ms(r["p90_s"])), ("GB/s", lambda r: _x(r["gbps"])),
              ("/ copy_", lambda r: _x(r["vs_copy"])),
-             ("/ kt_regroup", lambda r: _x(r["vs_kt_regroup"])), ("n", lambda r: str(r["n"])),
-             ("check", lambda r: r["check"])]),
+             ("/ kt_regroup", lambda r: _x(r["vs_kt_regroup"])),
+             # GPU time from CUDA events (CUDA only): calls queued, graph replays
+             ("device ms", lambda r: _dev(r, _ms, "device_p50_s")),
+             ("graph ms", lambda r: _dev(r, _ms, "graph_p50_s")),
+             ("/ copy_ device", lambda r: _dev(r, _x, "vs_copy_device")),
+             ("/ copy_ graph", lambda r: _dev(r, _x, "vs_copy_graph")),
+             ("n", lambda r: str(r["n"])), ("check", lambda r: r["check"])]),
 }
 
 

@@ -9,11 +9,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("torchrec")
 
 from benchmarks import ops, serving, step  # noqa: E402
-from benchmarks.harness import SEED, make_layout  # noqa: E402
+from benchmarks.harness import SEED, device_interleaved, make_layout  # noqa: E402
 from benchmarks.regroup import ALLOCATORS, SCHEMA  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,6 +111,37 @@ def test_op_table_every_mode_and_provider(quick):
             assert r["vs_copy"] == pytest.approx(1.0)
     fb = [r for r in records if r["mode"] != "forward" and r["provider"] == ops.KT]
     assert {r["check"] for r in fb} == {"ok"}  # gradients compared, not only outputs
+
+
+def test_op_table_on_cpu_has_no_device_time(quick):
+    data, stdout, _ = quick
+    for r in data["sections"]["ops"]["records"]:  # CUDA events only on CUDA
+        assert r["device"] == "cpu" and r["device_batch"] is None
+        for key in ("device_samples_s", "device_p50_s", "vs_copy_device", "graph_samples_s",
+                    "graph_p50_s", "vs_copy_graph", "graph_error"):
+            assert r[key] is None, key
+    header = ("| provider | P50 ms | P90 ms | GB/s | / copy_ | / kt_regroup | device ms | graph ms "
+              "| / copy_ device | / copy_ graph | n | check |")
+    assert header in stdout
+    ops_md = stdout[stdout.index("### op alone"):]
+    rows = [ln for ln in ops_md.splitlines() if ln.startswith(f"| {ops.KT} |")]
+    assert rows and all(ln.split(" | ")[6:10] == ["n/a"] * 4 for ln in rows), rows
+
+
+def test_device_interleaved_on_cuda_times_calls_and_graphs():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: CUDA events and graphs")
+    src = torch.randn(1 << 20, device="cuda")
+    dst = torch.empty_like(src)
+    fns = {"copy_": lambda: dst.copy_(src), "host sync": lambda: src.sum().item()}
+    stream = torch.cuda.current_stream()
+    eager, graph, errors = device_interleaved(fns, 3, batch=4)
+    assert torch.cuda.current_stream() == stream  # a failed capture leaves no stream behind
+    assert [len(eager[n]) for n in fns] == [3, 3] and all(t > 0 for ts in eager.values()
+                                                         for t in ts)
+    assert list(graph) == ["copy_"] and len(graph["copy_"]) == 3 and min(graph["copy_"]) > 0
+    assert list(errors) == ["host sync"] and errors["host sync"]
+    torch.testing.assert_close(dst, src)  # the replays did the copy
 
 
 def test_layouts_are_seeded_and_cover_every_key():
