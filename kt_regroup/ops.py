@@ -9,11 +9,12 @@ TorchScript or AOTInductor model runs where only that library is loaded. This mo
 2. registers the fake kernels (``torch.compile``, ``torch.export``): output sizes come
    from the ``SymInt`` arguments, never from data, and they check only what the sizes
    need; the kernels check everything else when they run;
-3. on CUDA, where Triton is installed, registers the Triton kernels for the ``CUDA``
-   dispatch key (without Triton, the library's own kernels serve CUDA), and rules that
-   make ``torch.compile`` and AOTInductor compile those kernels into their code instead
-   of calling the op (``kernels/triton.py``: ``register_graph_rules``);
-4. offers typed Python wrappers.
+3. offers typed Python wrappers.
+
+The kernels are the library's: CPU (``csrc/cpu.cpp``), CUDA (``csrc/cuda``, where the
+library was built with CUDA; else the portable kernel, which warns once), and the
+portable kernel for any other device (``csrc/portable.cpp``). ``torch.compile`` and
+AOTInductor call the ops as opaque kernels.
 
 Ops (FBGEMM's schemas where FBGEMM has the op)::
 
@@ -34,7 +35,6 @@ Ops (FBGEMM's schemas where FBGEMM has the op)::
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -183,16 +183,6 @@ def _(embs, keys, lengths, groups):
         embs.new_empty(len(plan.out_lengths), dtype=torch.int32),
         list(plan.out_lengths),
     )
-
-
-# --- Triton on CUDA ------------------------------------------------------------------------
-
-_LIB = torch.library.Library("kt_regroup", "IMPL")
-if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
-    from kt_regroup.kernels import triton as _triton
-
-    _triton.register(_LIB, "CUDA")
-    _triton.register_graph_rules(_LIB)  # torch.compile / AOTInductor embed the kernels
 
 
 # --- typed wrappers ------------------------------------------------------------------------

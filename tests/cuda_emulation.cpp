@@ -1,10 +1,11 @@
 // Runs the device code of kt_regroup/csrc/cuda (kernels.cuh) on the CPU: each thread
 // block as kThreads std::threads with a std::barrier for __syncthreads, blocks one after
-// another, so __shared__ arrays can be statics. The launches are planned by the same
-// host code (forward_launches / backward_launches) as in permute.cu; what this file
-// adds is the emulation and the outputs' allocation, which (unlike permute.cu) fills
-// them with a marker so that an element no kernel writes shows. Built and driven by
-// tests/test_kernel_emulation.py; machines without a GPU test the kernels' logic here.
+// another, so __shared__ arrays can be statics. The launches are planned, and the kernel
+// per dtype chosen, by the same host code as in permute.cu (forward_launches /
+// backward_launches, with_forward_kernel / with_backward_kernel); what this file adds is
+// the emulation and the outputs' allocation, which (unlike permute.cu) fills them with a
+// marker so that an element no kernel writes shows. Built and driven by
+// tests/test_cuda_kernel.py; machines without a GPU test the kernels' logic here.
 
 #include <atomic>
 #include <barrier>
@@ -82,18 +83,15 @@ at::Tensor marked(int64_t batch, int64_t width, c10::ScalarType dtype) {
   return at::full({batch, width}, -77, options);
 }
 
-// permute.cu's forward() without its argument checks and CUDA runtime calls.
-std::vector<at::Tensor> forward(
+// permute.cu's launch_forward() without its CUDA runtime calls: writes `outs`.
+void into(
     const std::vector<at::Tensor>& pooled_embs,
     const at::Tensor& plan,
-    const std::vector<int64_t>& out_lengths,
-    std::optional<c10::ScalarType> dtype) {
+    const std::vector<at::Tensor>& outs) {
   const at::Tensor& first = pooled_embs[0];
-  const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
+  const c10::ScalarType out_dtype = outs.empty() ? first.scalar_type() : outs[0].scalar_type();
   const int64_t batch = first.size(0);
-  std::vector<at::Tensor> outs;
-  for (int64_t n : out_lengths) outs.push_back(marked(batch, n, out_dtype));
-  if (batch == 0) return outs;
+  if (batch == 0 || outs.empty()) return;
   bool same = true, floats = is_float(out_dtype);
   for (const at::Tensor& t : pooled_embs) {
     same &= t.scalar_type() == out_dtype;
@@ -110,21 +108,20 @@ std::vector<at::Tensor> forward(
   for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
   const int64_t es = outs[0].element_size();
   forward_launches(plan, in_ptrs, out_ptrs, batch, es, [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
-    if (fused_cast) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "emulated_to", [&] {
-        emulate(permute_cast_kernel<scalar_t>, blocks, L, r, w);
-      });
-      return;
-    }
-    switch (es) {
-      case 1: emulate(permute_copy_kernel<1>, blocks, L, r, w); break;
-      case 2: emulate(permute_copy_kernel<2>, blocks, L, r, w); break;
-      case 4: emulate(permute_copy_kernel<4>, blocks, L, r, w); break;
-      case 8: emulate(permute_copy_kernel<8>, blocks, L, r, w); break;
-      case 16: emulate(permute_copy_kernel<16>, blocks, L, r, w); break;
-      default: TORCH_CHECK(false, "no copy of ", es, "-byte elements");
-    }
+    with_forward_kernel(fused_cast, out_dtype, es, [&](auto kernel) { emulate(kernel, blocks, L, r, w); });
   });
+}
+
+// permute.cu's forward() without its argument checks and CUDA runtime calls.
+std::vector<at::Tensor> forward(
+    const std::vector<at::Tensor>& pooled_embs,
+    const at::Tensor& plan,
+    const std::vector<int64_t>& out_lengths,
+    std::optional<c10::ScalarType> dtype) {
+  const at::Tensor& first = pooled_embs[0];
+  std::vector<at::Tensor> outs;
+  for (int64_t n : out_lengths) outs.push_back(marked(first.size(0), n, dtype.value_or(first.scalar_type())));
+  into(pooled_embs, plan, outs);
   return outs;
 }
 
@@ -147,12 +144,7 @@ std::vector<at::Tensor> backward(
   TensorPtrs out_ptrs;
   for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
   backward_launches(plan, grads, out_ptrs, batch, outs[0].element_size(), [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_dtype, "emulated_backward", [&] {
-      using grad_t = scalar_t;
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "emulated_backward", [&] {
-        emulate(permute_backward_kernel<grad_t, scalar_t>, blocks, L, g, w);
-      });
-    });
+    with_backward_kernel(grad_dtype, dtype, [&](auto kernel) { emulate(kernel, blocks, L, g, w); });
   });
   return outs;
 }
@@ -162,6 +154,7 @@ std::vector<at::Tensor> backward(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &kt_regroup::cuda::forward);
+  m.def("into", &kt_regroup::cuda::into);
   m.def("backward", &kt_regroup::cuda::backward);
   m.attr("max_tensors") = kt_regroup::cuda::kMaxTensors;
 }

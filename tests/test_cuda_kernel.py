@@ -1,210 +1,782 @@
-"""The op library's CUDA kernels (``kt_regroup/csrc/cuda``) and how ``setup.py`` decides
-to build them.
+"""The op library's CUDA kernels (``kt_regroup/csrc/cuda``): one set of checks, run two ways.
 
-The kernels are checked in a fresh interpreter that loads only torch and the library
-(``tests/cuda_isolated.py``), as a TorchScript or AOTInductor deployment runs them: in
-this process ``import kt_regroup`` has registered the Triton kernels for the CUDA
-dispatch key, over the library's. Tests that need a GPU have ``cuda`` in their names
-(``pytest -k cuda``); the build decision is tested everywhere.
+* ``emulated``: the kernels' device code on the CPU (``tests/cuda_emulation.cpp``: thread
+  blocks as threads, the launches planned and the kernels chosen by the same host code as
+  ``permute.cu``). Outputs start filled with a marker (NaN or -77), so an element no
+  kernel writes fails the comparison. Runs where no GPU is present.
+* ``cuda``: the compiled kernels through the ops, the plan on the device, on a GPU with a
+  library built with CUDA.
+
+Both are compared bit for bit with ``tests/reference.py``. Then the checks only a GPU can
+make (named ``*cuda*``, skipped with their reason elsewhere): plans on the CPU, the
+errors, autograd, no host sync, one launch per call, CUDA graphs, ``torch.compile``,
+``torch.library.opcheck``, AOTInductor and TorchScript in a fresh process that loads only
+torch and the library, the C++ predictor, and the one-time warning of a library built
+without its CUDA kernels. None imports torchrec at module load.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
+import json
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
-from reference import permute_multi_embedding_reference
+from conftest import DTYPES, random_layout
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import (
+    permute_multi_embedding_backward_reference,
+    permute_multi_embedding_reference,
+    permute_multi_embedding_to_reference,
+)
 
 import kt_regroup
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ISOLATED = pathlib.Path(__file__).resolve().parent / "cuda_isolated.py"
-
-
-def _setup_module():
-    spec = importlib.util.spec_from_file_location("kt_regroup_setup", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # not __main__: defines the helpers, builds nothing
-    return module
-
-
-setup_py = _setup_module()
+ops = torch.ops.kt_regroup
 
 
 def _library_has_cuda() -> bool:
     return hasattr(ctypes.CDLL(kt_regroup.library_path()), "kt_regroup_built_with_cuda")
 
 
-# --- the build decision (any machine) ---------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "torch_cuda, nvcc, env, built, why",
-    [
-        (None, "13.0", "", False, "CPU build"),
-        ("13.0", None, "", False, "no nvcc"),
-        ("12.8", "13.0", "", False, "major versions must match"),
-        ("13.0", "12.9", "", False, "major versions must match"),
-        ("13.0", "13.0", "", True, "CUDA 13.0"),
-        ("13.0", "13.1", "", True, "CUDA 13.1"),
-        ("13.0", "13.0", "0", False, "KT_REGROUP_CUDA=0"),
-    ],
-)
-def test_setup_builds_cuda_only_where_torch_and_nvcc_agree(torch_cuda, nvcc, env, built, why):
-    got, reason = setup_py.cuda_build(torch_cuda, nvcc, env)
-    assert got is built
-    assert why in reason
-
-
-def test_setup_reads_the_nvcc_version(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    nvcc = bin_dir / "nvcc"
-    nvcc.write_text(
-        "#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
-        "echo 'Cuda compilation tools, release 13.0, V13.0.88'\n"
-    )
-    nvcc.chmod(0o755)
-    assert setup_py.nvcc_version(str(tmp_path)) == "13.0"
-    assert setup_py.nvcc_version(str(tmp_path / "missing")) is None
-    assert setup_py.nvcc_version(None) is None
-
-
-def test_setup_finds_the_toolkit_behind_a_symlinked_nvcc(tmp_path):
-    toolkit = tmp_path / "cuda-13.0"
-    (toolkit / "bin").mkdir(parents=True)
-    (toolkit / "include").mkdir()
-    (toolkit / "include" / "cuda_runtime.h").write_text("")
-    (toolkit / "bin" / "nvcc").write_text("")
-    link = tmp_path / "bin" / "nvcc"
-    link.parent.mkdir()
-    link.symlink_to(toolkit / "bin" / "nvcc")
-    assert setup_py.cuda_home({}, str(link)) == str(toolkit)
-    # The user's setting wins.
-    assert setup_py.cuda_home({"CUDA_HOME": "/opt/cuda"}, str(link)) == "/opt/cuda"
-    assert setup_py.cuda_home({"CUDA_PATH": "/opt/cuda-path"}, None) == "/opt/cuda-path"
-
-
-def test_setup_picks_architectures_only_where_torch_would_find_none():
-    assert setup_py.arch_list({}, gpu_visible=False) == setup_py.DEFAULT_ARCHS
-    assert setup_py.arch_list({}, gpu_visible=True) is None  # torch builds for the GPUs it sees
-    assert setup_py.arch_list({"TORCH_CUDA_ARCH_LIST": "9.0"}, gpu_visible=False) is None
-
-
-def test_setup_cpu_only_extension_is_the_cpp_sources(monkeypatch):
-    # What setup.py compiles where torch has no CUDA: every csrc/*.cpp, nothing of csrc/cuda.
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("KT_REGROUP_CUDA", "0")
-    ext = setup_py.extension()
-    assert sorted(ext.sources) == sorted(str(p) for p in pathlib.Path("kt_regroup/csrc").glob("*.cpp"))
-    assert ext.extra_compile_args == {"cxx": ["-O3", "-fopenmp"]}
-    assert ext.py_limited_api
-
-
-@pytest.mark.skipif(torch.version.cuda is not None, reason="torch is a CUDA build")
-def test_cpu_torch_library_has_no_cuda_kernels():
-    # A CPU-only build: the portable kernels serve every non-CPU device, as before.
-    assert not _library_has_cuda()
-
-
-# --- the kernels (a GPU) ------------------------------------------------------------------------
-
+HAS_GPU = torch.cuda.is_available()
+CUDA_KERNELS = HAS_GPU and _library_has_cuda()
 needs_cuda_kernels = pytest.mark.skipif(
-    not torch.cuda.is_available() or not _library_has_cuda(),
+    not CUDA_KERNELS,
     reason="needs a GPU and a library built with its CUDA kernels (torch with CUDA, nvcc)",
 )
 
+# --- the two ways ---------------------------------------------------------------------------
 
-def _isolated(check: str, *args: str) -> None:
-    """Runs ``cuda_isolated.CHECK(*args)`` in an interpreter with only torch and the library."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_REGROUP")}
-    proc = subprocess.run(
-        [sys.executable, "-I", str(ISOLATED), kt_regroup.library_path(), check, *args],
-        capture_output=True, text=True, timeout=600, env=env,
+
+class Emulated:
+    """The device code on the CPU: plans and data on the CPU, outputs marked."""
+
+    def __init__(self, ext):
+        self.ext = ext
+
+    def forward(self, xs, p, i, o, n, dtype=None):
+        return self.ext.forward(xs, p, n, dtype)
+
+    def into(self, xs, p, i, o, outs):
+        self.ext.into(xs, p, outs)
+
+    def backward(self, grads, p, i, o, in_lengths, batch, dtype):
+        return self.ext.backward(grads, p, in_lengths, batch, dtype)
+
+
+class Cuda:
+    """The ops on CUDA, the plan on the device (read there only); results back on the CPU."""
+
+    @staticmethod
+    def _on(*tensors):
+        """The tensors on CUDA with their strides (slices, transposes, stride-0 expands)."""
+        moved = []
+        for t in tensors:
+            if t is not None:
+                root = t if t._base is None else t._base  # contiguous in these tests
+                t = root.cuda().as_strided(t.shape, t.stride(), t.storage_offset())
+            moved.append(t)
+        return moved
+
+    def forward(self, xs, p, i, o, n, dtype=None):
+        xs, (p, i, o) = self._on(*xs), self._on(p, i, o)
+        if dtype is None:
+            outs = ops.permute_multi_embedding(xs, p, i, o, n)
+        else:
+            outs = ops.permute_multi_embedding_to(xs, p, i, o, n, dtype)
+        return [t.cpu() for t in outs]
+
+    def into(self, xs, p, i, o, outs):
+        # Each out is a view of a CPU buffer: the same view of a CUDA copy, copied back.
+        on = self._on(*outs)
+        ops.permute_multi_embedding_into(self._on(*xs), *self._on(p, i, o), on)
+        for t, c in zip(outs, on):
+            t._base.copy_(c._base.cpu())
+
+    def backward(self, grads, p, i, o, in_lengths, batch, dtype):
+        got = ops.permute_multi_embedding_backward(
+            self._on(*grads), *self._on(p, i, o), in_lengths, batch, dtype
+        )
+        return [t.cpu() for t in got]
+
+
+@pytest.fixture(scope="module", params=["emulated", "cuda"])
+def kernel(request, tmp_path_factory):
+    if request.param == "cuda":
+        if not CUDA_KERNELS:
+            pytest.skip("needs a GPU and a library built with its CUDA kernels")
+        return Cuda()
+    if HAS_GPU:
+        pytest.skip("a GPU is present: the compiled kernels run these checks (cuda)")
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler to build the emulation")
+    from torch.utils.cpp_extension import load
+
+    ext = load(
+        name="kt_regroup_cuda_emulation",
+        sources=[str(ROOT / "tests" / "cuda_emulation.cpp")],
+        extra_include_paths=[str(ROOT / "kt_regroup" / "csrc" / "cuda")],
+        extra_cflags=["-std=c++20", "-O1"],
+        build_directory=str(tmp_path_factory.mktemp("emulation")),
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return Emulated(ext)
+
+
+# --- inputs ---------------------------------------------------------------------------------
+
+
+def _plan(layout, index_dtype=torch.int32):
+    p, i, o, n = kt_regroup.kt_regroup_arguments(torch.empty(0), *layout)
+    return p.to(index_dtype), i, o, list(n)
+
+
+def _values(batch, width, dtype, memory="contiguous", seed=0):
+    """``[batch, width]``: contiguous, a column slice of a wider tensor (row stride >
+    width, unaligned start) or a transposed view (column stride > 1)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = {"contiguous": (batch, width), "sliced": (batch, width + 5), "transposed": (width, batch)}[memory]
+    if dtype.is_floating_point or dtype.is_complex:
+        x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    elif dtype == torch.bool:
+        x = torch.randint(0, 2, shape, generator=g).bool()
+    else:
+        x = torch.randint(-100, 100, shape, generator=g).to(dtype)
+    return {"contiguous": x, "sliced": x[:, 3 : width + 3], "transposed": x.t()}[memory]
+
+
+def _assert_equal(got, expected):
+    assert len(got) == len(expected)
+    for j, (g, e) in enumerate(zip(got, expected)):
+        assert g.dtype == e.dtype and g.shape == e.shape, (j, g.dtype, g.shape, e.dtype, e.shape)
+        assert torch.equal(g, e), (j, g, e)
+
+
+# --- the checks, emulated and on CUDA -----------------------------------------------------------
+
+
+@settings(max_examples=12)
+@given(
+    seed=st.integers(0, 10_000),
+    batch=st.sampled_from([0, 1, 5, 33]),
+    dtype=st.sampled_from(DTYPES + [torch.int64, torch.int16, torch.bool, torch.complex128]),
+    memory=st.sampled_from(["contiguous", "sliced", "transposed"]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_forward_equals_reference(kernel, seed, batch, dtype, memory, index_dtype):
+    layout = random_layout(seed)
+    p, i, o, n = _plan(layout, index_dtype)
+    xs = [_values(batch, w, dtype, memory, seed + k) for k, w in enumerate(layout.in_widths)]
+    before = [x.clone() for x in xs]
+    _assert_equal(kernel.forward(xs, p, i, o, n), permute_multi_embedding_reference(xs, p, i, o, n))
+    _assert_equal(xs, before)
+
+
+@settings(max_examples=8)
+@given(seed=st.integers(0, 10_000), dtype=st.sampled_from(DTYPES))
+def test_fused_cast_equals_reference(kernel, seed, dtype):
+    layout = random_layout(seed)
+    p, i, o, n = _plan(layout)
+    mixed = [_values(7, w, DTYPES[(seed + k) % 4], "contiguous", seed + k) * 1e3
+             for k, w in enumerate(layout.in_widths)]  # fmt: skip
+    got = kernel.forward(mixed, p, i, o, n, dtype)
+    _assert_equal(got, permute_multi_embedding_to_reference(mixed, p, i, o, n, dtype))
+
+
+def test_fused_cast_rounds_like_torch(kernel):
+    # Ties, values just above/below ties, infinities, overflow, subnormals, signed zeros, NaN.
+    x = torch.tensor(
+        [1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, 1 - 2**-9, -(1 + 2**-8), 3.4e38,
+         float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0, 1.0, float("nan")],
+    ).view(1, -1)  # fmt: skip
+    p = torch.tensor([[0, 0, 0, 0, x.size(1), 0], [1, 1, 0, 0, x.size(1), 0]], dtype=torch.int32)
+    shapes = torch.tensor([x.size(1)] * 2, dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float16):
+        # Two dtypes in: the fused cast (one dtype in takes the byte copy after .to()).
+        xs = [x.float(), x.double()]
+        got = kernel.forward(xs, p, shapes, shapes, [x.size(1)] * 2, dtype)
+        for g, src in zip(got, xs):
+            # NaN's bits differ between CPU and CUDA conversions (in torch too): only NaN.
+            assert torch.equal(g[:, :-1].view(torch.int16), src[:, :-1].to(dtype).view(torch.int16)), (dtype, g)
+            assert g[0, -1].isnan()
+
+
+@settings(max_examples=12)
+@given(
+    seed=st.integers(0, 10_000),
+    batch=st.sampled_from([1, 6, 40]),
+    grad_dtype=st.sampled_from(DTYPES),
+    dtype=st.sampled_from(DTYPES),
+    none=st.booleans(),
+)
+def test_backward_equals_reference(kernel, seed, batch, grad_dtype, dtype, none):
+    # random_layout duplicates keys inside and across groups and leaves keys unused.
+    layout = random_layout(seed)
+    p, i, o, n = _plan(layout)
+    grads = [_values(batch, w, grad_dtype, "contiguous", seed + j) for j, w in enumerate(n)]
+    if none and len(grads) > 1:
+        grads[0] = None
+    if len(grads) > 1 and grads[-1] is not None:  # read in place with stride 0
+        grads[-1] = torch.ones(1, 1, dtype=grad_dtype).expand(batch, n[-1])
+    in_lengths = layout.in_widths
+    got = kernel.backward(grads, p, i, o, in_lengths, batch, dtype)
+    _assert_equal(got, permute_multi_embedding_backward_reference(grads, p, i, o, in_lengths, batch, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_aligned_segments(kernel, dtype):
+    # Widths and offsets in multiples of 16 bytes: the 16-byte vector paths.
+    layout = random_layout(3, widths=(8, 16, 64))
+    p, i, o, n = _plan(layout)
+    for memory in ("contiguous", "sliced", "transposed"):
+        xs = [_values(9, w, dtype, memory, k) for k, w in enumerate(layout.in_widths)]
+        _assert_equal(kernel.forward(xs, p, i, o, n), permute_multi_embedding_reference(xs, p, i, o, n))
+        grads = [_values(9, w, dtype, memory, 7 + j) for j, w in enumerate(n)]
+        _assert_equal(
+            kernel.backward(grads, p, i, o, layout.in_widths, 9, dtype),
+            permute_multi_embedding_backward_reference(grads, p, i, o, layout.in_widths, 9, dtype),
+        )
+
+
+def test_long_duplicate_chain(kernel):
+    # One key 20 times (more than a block keeps in shared memory: walked per element),
+    # another 3 times.
+    keys, lengths = [["a", "b", "c"]], [[3, 5, 2]]
+    groups = [["a"] * 12 + ["b", "c"], ["a"] * 8 + ["b", "b"]]
+    p, i, o, n = _plan((keys, lengths, groups))
+    for dtype in (torch.float32, torch.bfloat16):
+        grads = [_values(6, w, dtype, "contiguous", j) for j, w in enumerate(n)]
+        _assert_equal(
+            kernel.backward(grads, p, i, o, [10], 6, dtype),
+            permute_multi_embedding_backward_reference(grads, p, i, o, [10], 6, dtype),
+        )
+
+
+def test_bad_chains_terminate_and_stay_in_bounds(kernel):
+    g = torch.arange(1.0, 9.0).view(2, 4)
+    shapes, in_shapes = torch.tensor([4]), torch.tensor([2])
+    # Rows 0 and 1 link to each other forever; row 2 points past the table.
+    rows = torch.tensor([[0, 0, 0, 0, 2, 1], [0, 0, 0, 2, 2, -1], [0, 0, 0, 0, 2, 99]])
+    (got,) = kernel.backward([g], rows[:2], in_shapes, shapes, [2], 2, torch.float32)
+    assert torch.equal(got, g[:, :2] + g[:, 2:])  # stopped after len(permutes) steps
+    (got,) = kernel.backward([g], rows[2:], in_shapes, shapes, [2], 2, torch.float32)
+    assert torch.equal(got, g[:, :2])
+
+
+def test_chunked_launches(kernel):
+    # More inputs and outputs than one launch addresses (32): the launches are chunked.
+    m = 32
+    keys = [[f"k{t}", f"w{t}"] for t in range(m + 3)]
+    lengths = [[1 + t % 4, 2] for t in range(m + 3)]
+    groups = [[f"k{(3 * g) % (m + 3)}", f"w{g}"] for g in range(m + 2)] + [["k0"]]
+    p, i, o, n = _plan((keys, lengths, groups))
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [_values(3, sum(w), dtype, seed=t) for t, w in enumerate(lengths)]
+        _assert_equal(kernel.forward(xs, p, i, o, n), permute_multi_embedding_reference(xs, p, i, o, n))
+        grads = [_values(3, w, dtype, seed=j) for j, w in enumerate(n)]
+        in_lengths = [sum(w) for w in lengths]
+        _assert_equal(
+            kernel.backward(grads, p, i, o, in_lengths, 3, dtype),
+            permute_multi_embedding_backward_reference(grads, p, i, o, in_lengths, 3, dtype),
+        )
+
+
+BAD_ROWS = [
+    [0, 0, 0, 0, 3, 0],  # out0[:, 0:3] = x0[:, 0:3]
+    [0, 0, 1, 10, 2, 0],  # out0[:, 10:12] = x0[:, 1:3]; columns 3..9 no row writes
+    [5, 0, 0, 12, 2, 0],  # no input 5: out0[:, 12:14] zeros
+    [1, 0, 1, 14, 100, 0],  # clipped: out0[:, 14:16] = x1[:, 1:3]
+    [0, 7, 0, 0, 1, 0],  # no output 7: nothing
+    [1, 1, 0, -2, 5, 0],  # clipped: out1[:, 0:3] = x1[:, 2:5], x1 has no columns 3, 4
+    [0, 1, 2, 4, 2**40, 0],  # clipped: out1[:, 4:6] = x0[:, 2:4]
+    [0, 2, 2**62, 0, 2, 0],  # reads far outside x0: zeros
+    [0, 2, -(2**63), 0, 2, 0],  # the same block, from the lowest offset
+    [0, 1, 0, 3, -4, 0],  # negative length: nothing
+]
+
+
+def _bad_rows_expected(x0, x1):
+    batch = x0.size(0)
+    out0 = torch.zeros(batch, 16)
+    out0[:, 0:3] = x0[:, 0:3]
+    out0[:, 10:12] = x0[:, 1:3]
+    out0[:, 14:16] = x1[:, 1:3]
+    out1 = torch.zeros(batch, 6)
+    out1[:, 0] = x1[:, 2]
+    out1[:, 4:6] = x0[:, 2:4]
+    return [out0, out1, torch.zeros(batch, 2)]
+
+
+def test_bad_rows_are_clipped_and_gaps_zeroed(kernel):
+    x0, x1 = torch.randn(4, 4), torch.randn(4, 3)
+    p = torch.tensor(BAD_ROWS, dtype=torch.int64)
+    i, o = torch.tensor([4, 3]), torch.tensor([16, 6, 2])
+    _assert_equal(kernel.forward([x0, x1], p, i, o, [16, 6, 2]), _bad_rows_expected(x0, x1))
+
+
+def test_into_writes_every_column_of_the_outputs_and_nothing_else(kernel):
+    """Caller-owned outputs: column windows of wider buffers (row stride > width), gaps
+    and bad rows included; every column of the windows is written (NaN before), the guard
+    columns around them never."""
+    x0, x1 = torch.randn(5, 4), torch.randn(5, 3)
+    p = torch.tensor(BAD_ROWS, dtype=torch.int64)
+    i, o = torch.tensor([4, 3]), torch.tensor([16, 6, 2])
+    bufs = [torch.full((5, n + 7), float("nan")) for n in (16, 6, 2)]
+    for b in bufs:
+        b[:, :3] = b[:, -4:] = -7.0
+    outs = [b[:, 3 : b.size(1) - 4] for b in bufs]
+    kernel.into([x0, x1], p, i, o, outs)
+    _assert_equal(outs, _bad_rows_expected(x0, x1))
+    for b in bufs:
+        assert (b[:, :3] == -7).all() and (b[:, -4:] == -7).all()
+
+
+# --- CUDA only: the ops on a GPU ------------------------------------------------------------------
+
+# Odd widths, keys duplicated inside a group (a) and across groups (b, e), unused keys
+# (d, g), a single-key group.
+KEYS = [["a", "b", "c", "d"], ["e", "f"], ["g", "h", "i"]]
+LENGTHS = [[1, 3, 7, 127], [5, 16], [2, 64, 9]]
+GROUPS = [["e", "a", "i", "a"], ["c", "b", "h", "e"], ["f"], ["b"]]
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def cuda_plan(device="cuda", index_dtype=torch.int32):
+    p, i, o, n = kt_regroup.kt_regroup_arguments(torch.empty(0), KEYS, LENGTHS, GROUPS)
+    return p.to(device, index_dtype), i.to(device), o.to(device), list(n)
+
+
+def cuda_inputs(batch, dtype=torch.float32, requires_grad=False, seed=0):
+    return [_values(batch, sum(w), dtype, seed=seed + k).cuda().requires_grad_(requires_grad)
+            for k, w in enumerate(LENGTHS)]  # fmt: skip
+
+
+def cuda_grads(batch, n, dtype=torch.float32, seed=10):
+    return [_values(batch, w, dtype, seed=seed + j).cuda() for j, w in enumerate(n)]
+
+
+def _cpu(tensors):
+    return [None if t is None else t.cpu() for t in tensors]
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_cuda_plan_on_the_cpu_is_checked_and_gives_the_same_results(index_dtype):
+    p, i, o, n = cuda_plan("cpu", index_dtype)
+    xs = cuda_inputs(130)
+    ref = permute_multi_embedding_reference(_cpu(xs), p, i, o, n)
+    _assert_equal(_cpu(ops.permute_multi_embedding(xs, p, i, o, n)), ref)
+    _assert_equal(_cpu(ops.permute_multi_embedding_to(xs, p, i, o, n, torch.bfloat16)),
+                  [r.bfloat16() for r in ref])  # fmt: skip
+    outs = [torch.full((130, w), float("nan"), device="cuda") for w in n]
+    ops.permute_multi_embedding_into(xs, p, i, o, outs)
+    _assert_equal(_cpu(outs), ref)
+    grads = cuda_grads(130, n)
+    grads[2] = None
+    in_lengths = [sum(w) for w in LENGTHS]
+    _assert_equal(
+        _cpu(ops.permute_multi_embedding_backward(grads, p, i, o, in_lengths, 130, torch.float32)),
+        permute_multi_embedding_backward_reference(_cpu(grads), p, i, o, in_lengths, 130, torch.float32),
+    )
+    # A bad row is caught on the host before anything runs (the plan on the device is not).
+    bad = p.clone()
+    bad[0, 4] = 1000
+    with pytest.raises(IndexError, match=r"permutes\[0\] reads columns"):
+        ops.permute_multi_embedding(xs, bad, i, o, n)
+    with pytest.raises(IndexError, match=r"permutes\[0\] reads columns"):
+        ops.permute_multi_embedding_into(xs, bad, i, o, outs)
+
+
+def _error(fn):
+    with pytest.raises((ValueError, TypeError, IndexError)) as info:
+        fn()
+    return info.type, str(info.value).splitlines()[0]
 
 
 @needs_cuda_kernels
 @pytest.mark.parametrize(
-    "check",
-    [
-        "check_forward",
-        "check_many_tensors",
-        "check_gaps_and_bad_rows",
-        "check_to",
-        "check_backward",
-        "check_autograd",
-        "check_no_host_sync",
-        "check_launches",
-    ],
-)
-def test_cuda_kernel(check):
-    _isolated(check)
+    "case", ["3d", "mixed_dtypes", "batch", "permutes_shape", "permutes_dtype", "in_shapes",
+             "out_shapes", "negative_length", "empty"],
+)  # fmt: skip
+def test_cuda_errors_with_the_plan_on_the_device_are_the_cpu_kernels(case):
+    x, y = torch.randn(2, 4), torch.randn(2, 3)
+    p = torch.tensor([[0, 0, 0, 0, 4, 0], [1, 0, 0, 4, 3, 0]], dtype=torch.int32)
+    ins, outs, n = torch.tensor([4, 3]), torch.tensor([7]), [7]
+    args = {
+        "3d": ([x, y.view(2, 3, 1)], p, ins, outs, n),
+        "mixed_dtypes": ([x, y.double()], p, ins, outs, n),
+        "batch": ([x, torch.randn(3, 3)], p, ins, outs, n),
+        "permutes_shape": ([x, y], p[:, :5], ins, outs, n),
+        "permutes_dtype": ([x, y], p.float(), ins, outs, n),
+        "in_shapes": ([x, y], p, ins[:1], outs, n),
+        "out_shapes": ([x, y], p, ins, torch.tensor([7, 1]), n),
+        "negative_length": ([x, y], p, ins, outs, [-7]),
+        "empty": ([], p, ins, outs, n),
+    }[case]
+    on = [[t.cuda() for t in args[0]], *[a.cuda() for a in args[1:4]], args[4]]
+    expected = _error(lambda: ops.permute_multi_embedding(*args))
+    assert _error(lambda: ops.permute_multi_embedding(*on)) == expected
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_cuda_training_step_calls_the_backward_kernel(dtype):
+    p, i, o, n = cuda_plan()
+    xs = cuda_inputs(64, dtype, requires_grad=True)
+    weights = cuda_grads(64, n, dtype, seed=20)
+    outs = ops.permute_multi_embedding(xs, p, i, o, n)
+    sum((out * w).sum() for out, w in zip(outs, weights)).backward()
+    _assert_equal(_cpu(outs), permute_multi_embedding_reference(_cpu([x.detach() for x in xs]), p.cpu(), i.cpu(), o.cpu(), n))
+    # The gradient of sum(out * w) is w; the backward op sums w's blocks per key.
+    expected = permute_multi_embedding_backward_reference(
+        _cpu(weights), p.cpu(), i.cpu(), o.cpu(), [x.size(1) for x in xs], 64, dtype)
+    _assert_equal(_cpu([x.grad for x in xs]), expected)
+
+
+def _calls(p, i, o, n, xs, grads, outs, train, weights):
+    in_lengths = [x.size(1) for x in xs]
+
+    def step():
+        loss = sum((out * w).sum() for out, w in zip(ops.permute_multi_embedding(train, p, i, o, n), weights))
+        loss.backward()
+
+    return {
+        "forward": lambda: ops.permute_multi_embedding(xs, p, i, o, n),
+        "to": lambda: ops.permute_multi_embedding_to(xs, p, i, o, n, torch.bfloat16),
+        "into": lambda: ops.permute_multi_embedding_into(xs, p, i, o, outs),
+        "backward": lambda: ops.permute_multi_embedding_backward(grads, p, i, o, in_lengths, xs[0].size(0), torch.float32),
+        "step": step,
+    }
+
+
+@needs_cuda_kernels
+def test_cuda_no_host_sync_with_the_plan_on_the_device():
+    p, i, o, n = cuda_plan()
+    xs, grads = cuda_inputs(128), cuda_grads(128, n)
+    outs = [torch.empty(128, w, device="cuda") for w in n]
+    train = [x.clone().requires_grad_() for x in xs]
+    weights = cuda_grads(128, n, seed=30)
+    calls = _calls(p, i, o, n, xs, grads, outs, train, weights)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for fn in calls.values():
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    # And the results are right (the mode skipped nothing).
+    ref = permute_multi_embedding_reference(_cpu(xs), p.cpu(), i.cpu(), o.cpu(), n)
+    _assert_equal(_cpu(outs), ref)
+    expected = permute_multi_embedding_backward_reference(
+        _cpu(weights), p.cpu(), i.cpu(), o.cpu(), [x.size(1) for x in xs], 128, torch.float32)
+    _assert_equal(_cpu([x.grad for x in train]), expected)
+
+
+@needs_cuda_kernels
+def test_cuda_one_launch_per_call():
+    from torch.profiler import ProfilerActivity, profile
+
+    p, i, o, n = cuda_plan()
+    xs, grads = cuda_inputs(1000), cuda_grads(1000, n)
+    outs = [torch.empty(1000, w, device="cuda") for w in n]
+    calls = _calls(p, i, o, n, xs, grads, outs, None, None)
+    del calls["step"]
+    for name, fn in calls.items():
+        fn()  # warm
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) == 1 and "permute_" in kernels[0], (name, kernels)
+
+
+@needs_cuda_kernels
+def test_cuda_graph_captures_forward_into_and_backward():
+    p, i, o, n = cuda_plan()
+    xs, grads = cuda_inputs(64, seed=15), cuda_grads(64, n, seed=16)
+    in_lengths = [x.size(1) for x in xs]
+    outs = [torch.empty(64, w, device="cuda") for w in n]
+
+    def step():
+        fwd = ops.permute_multi_embedding(xs, p, i, o, n)
+        ops.permute_multi_embedding_into(xs, p, i, o, outs)
+        back = ops.permute_multi_embedding_backward(grads, p, i, o, in_lengths, 64, torch.float32)
+        return fwd, back
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd, back = step()
+    for t in xs + grads:
+        t.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = permute_multi_embedding_reference(_cpu(xs), p.cpu(), i.cpu(), o.cpu(), n)
+    _assert_equal(_cpu(fwd), ref)
+    _assert_equal(_cpu(outs), ref)
+    _assert_equal(_cpu(back), permute_multi_embedding_backward_reference(
+        _cpu(grads), p.cpu(), i.cpu(), o.cpu(), in_lengths, 64, torch.float32))
+
+
+@needs_cuda_kernels
+def test_cuda_opcheck_of_every_op():
+    p, i, o, n = cuda_plan()
+    xs, grads = cuda_inputs(5), cuda_grads(5, n)
+    grads[1] = None
+    in_lengths = [x.size(1) for x in xs]
+    for op, args in [
+        (ops.permute_multi_embedding, (xs, p, i, o, n)),
+        (ops.permute_multi_embedding_to, (xs, p, i, o, n, torch.float16)),
+        (ops.permute_multi_embedding_into, (xs, p, i, o, [torch.empty(5, w, device="cuda") for w in n])),
+        (ops.permute_multi_embedding_backward, (grads, p, i, o, in_lengths, 5, torch.float32)),
+    ]:
+        torch.library.opcheck(op, args)
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_compiled_training_step_equals_eager_and_calls_the_op(dtype):
+    from torch._inductor.utils import run_and_get_code
+
+    p, i, o, n = cuda_plan()
+    weights = cuda_grads(37, n, dtype)
+
+    def step(inputs):
+        outs = ops.permute_multi_embedding(inputs, p, i, o, n)
+        sum((out * w).float().sum() for out, w in zip(outs, weights)).backward()
+        return [out.detach() for out in outs]
+
+    eager_inputs = cuda_inputs(37, dtype, requires_grad=True)
+    expected = step(eager_inputs)
+    inputs = cuda_inputs(37, dtype, requires_grad=True)
+    got, codes = run_and_get_code(torch.compile(step), inputs)
+    _assert_equal(got, expected)
+    _assert_equal([x.grad for x in inputs], [x.grad for x in eager_inputs])
+    code = "\n".join(codes)
+    assert "kt_regroup.permute_multi_embedding." in code, code[:3000]
+    assert "kt_regroup.permute_multi_embedding_backward." in code, code[:3000]
+
+
+@needs_cuda_kernels
+def test_cuda_compiled_ktregroupasdict_step_equals_eager():
+    pytest.importorskip("torchrec", reason="KTRegroupAsDict needs torchrec")
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    names = [f"g{j}" for j in range(len(GROUPS))]
+
+    def step(module, inputs):
+        kts = [KeyedTensor(keys=k, length_per_key=w, values=v) for k, w, v in zip(KEYS, LENGTHS, inputs)]
+        outs = module(kts)
+        sum((outs[name] * (j + 1)).sum() for j, name in enumerate(names)).backward()
+        return [outs[name].detach() for name in names]
+
+    module = kt_regroup.KTRegroupAsDict(GROUPS, names)
+    eager_inputs = cuda_inputs(19, requires_grad=True)
+    expected = step(module, eager_inputs)
+    inputs = cuda_inputs(19, requires_grad=True)
+    _assert_equal(torch.compile(step)(module, inputs), expected)
+    _assert_equal([x.grad for x in inputs], [x.grad for x in eager_inputs])
+
+
+# --- CUDA only: fresh processes with only torch and the library -----------------------------------
+
+
+def _fresh(code: str, *args: str, cwd=None) -> dict:
+    """Runs ``code`` in an interpreter that loads only torch and the library (``-I``), as a
+    deployment does; returns the JSON it prints last."""
+    prelude = textwrap.dedent(f"""
+        import json, sys, torch
+        from torch.profiler import ProfilerActivity, profile
+        torch.ops.load_library({kt_regroup.library_path()!r})
+
+        def kernels(fn):
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KT_REGROUP", "PYTHONPATH"))}
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", prelude + textwrap.dedent(code), *args],
+        capture_output=True, text=True, timeout=600, env=env, cwd=cwd,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    loaded = [m for m in ("kt_regroup", "torchrec", "fbgemm_gpu") if m in report.pop("modules")]
+    assert loaded == [], loaded
+    return report
+
+
+class Regroup(torch.nn.Module):
+    """A deployed model: the plan in buffers, the op on the inputs. ``to_cuda``: takes CPU
+    inputs (as the C++ predictor makes them), regroups on CUDA, returns CPU tensors."""
+
+    def __init__(self, to_cuda: bool = False):
+        super().__init__()
+        p, i, o, self.out_lengths = cuda_plan()
+        self.register_buffer("permutes", p)
+        self.register_buffer("in_shapes", i)
+        self.register_buffer("out_shapes", o)
+        self.to_cuda = to_cuda
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
+        if self.to_cuda:
+            a, b, c = a.cuda(), b.cuda(), c.cuda()
+        outs = torch.ops.kt_regroup.permute_multi_embedding(
+            [a, b, c], self.permutes, self.in_shapes, self.out_shapes, self.out_lengths)
+        return [out.cpu() for out in outs] if self.to_cuda else outs
 
 
 @needs_cuda_kernels
 def test_cuda_torchscript_model_in_a_fresh_process(tmp_path):
-    # Saved by one process, loaded by another: both with only torch and the library.
-    _isolated("save_torchscript", str(tmp_path))
-    _isolated("run_torchscript", str(tmp_path))
-
-
-@needs_cuda_kernels
-def test_library_cuda_kernel_serves_where_triton_declines():
-    # In this process Triton serves CUDA; where it declines (an integer dtype) the
-    # kernel it falls back to is the library's CUDA kernel.
-    cuda_isolated = _load_isolated()
-    p, i, o, n = cuda_isolated.plan()
-    xs = cuda_isolated.inputs(5, torch.int64)
-    got = torch.ops.kt_regroup.permute_multi_embedding(xs, p, i, o, n)
-    for g, e in zip(got, permute_multi_embedding_reference(xs, p, i, o, n), strict=True):
-        assert torch.equal(g, e)
-
-
-def _load_isolated():
-    spec = importlib.util.spec_from_file_location("cuda_isolated", ISOLATED)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    model = Regroup()
+    xs = cuda_inputs(77)
+    torch.jit.script(model).save(str(tmp_path / "scripted.pt"))
+    torch.jit.trace(model, tuple(xs), strict=False).save(str(tmp_path / "traced.pt"))
+    torch.save({"inputs": _cpu(xs), "outputs": _cpu(model(*xs))}, tmp_path / "io.pt")
+    report = _fresh("""
+        io = torch.load(sys.argv[1] + "/io.pt")
+        xs = [x.cuda() for x in io["inputs"]]
+        out = {"modules": list(sys.modules)}
+        for name in ("scripted", "traced"):
+            model = torch.jit.load(f"{sys.argv[1]}/{name}.pt")
+            equal = all(torch.equal(g.cpu(), e) for g, e in zip(model(*xs), io["outputs"]))
+            out[name] = [equal, kernels(lambda: model(*xs))]
+        print(json.dumps(out))
+    """, str(tmp_path))
+    for name in ("scripted", "traced"):
+        equal, launched = report[name]
+        assert equal, name
+        assert len(launched) == 1 and "permute_" in launched[0], (name, launched)
 
 
 @needs_cuda_kernels
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
 def test_cuda_cpp_predictor_runs_a_cuda_model(tmp_path):
     # examples/cpp_predictor (no Python) runs a TorchScript model that regroups on CUDA.
-    _isolated("save_torchscript", str(tmp_path))
+    torch.jit.script(Regroup(to_cuda=True)).save(str(tmp_path / "on_cuda.pt"))
     build = tmp_path / "build"
     for cmd in (
         ["cmake", "-S", str(ROOT / "examples" / "cpp_predictor"), "-B", str(build),
          f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", "-DCMAKE_BUILD_TYPE=Release"],
         ["cmake", "--build", str(build), "-j4"],
-    ):
+    ):  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cuda_isolated = _load_isolated()
-    batch = 13
-    widths = [sum(w) for w in cuda_isolated.LENGTHS]
+    batch, widths = 13, [sum(w) for w in LENGTHS]
     run = subprocess.run(
         [str(build / "predictor"), str(tmp_path / "on_cuda.pt"), kt_regroup.library_path(),
          *[f"{batch}x{w}" for w in widths]],
         capture_output=True, text=True, timeout=300,
-    )
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     # The predictor's inputs (element i = i % 17 - 8) and checksums, computed here.
     inputs = [(torch.arange(batch * w, dtype=torch.float32) % 17 - 8).reshape(batch, w) for w in widths]
-    p, i, o, n = cuda_isolated.plan(device=torch.device("cpu"))
-    expected = permute_multi_embedding_reference(inputs, p, i, o, n)
     sums = []
-    for out in expected:
+    for out in permute_multi_embedding_reference(inputs, *cuda_plan("cpu")):
         weights = torch.arange(out.numel(), dtype=torch.float64) % 101 + 1
         sums.append(int((out.double().flatten() * weights).sum().item()))
     printed = [int(line.split("checksum")[1]) for line in run.stdout.splitlines() if "checksum" in line]
     assert printed == sums
+
+
+_AOTI_RUN = """
+    model = torch._inductor.aoti_load_package(sys.argv[1])
+    inputs = [x.cuda() for x in torch.load(sys.argv[2])]
+    outputs = model(*inputs)
+    torch.save([o.cpu() for o in outputs], sys.argv[3])
+    print(json.dumps({"modules": list(sys.modules), "device": kernels(lambda: model(*inputs))}))
+"""
+
+
+def _aoti_check(model, example, inputs, expected, tmp_path):
+    """torch.export (dynamic batch) + AOTInductor of ``model``: the package calls the
+    library's op, and run on ``inputs`` in a fresh process with only torch and the library
+    gives ``expected`` with the op's one kernel launch."""
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    program = torch.export.export(model, tuple(example), dynamic_shapes=tuple({0: batch} for _ in example))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "kt_regroup.permute_multi_embedding.default" in targets, targets
+    package = tmp_path / "model.pt2"
+    torch._inductor.aoti_compile_and_package(program, package_path=str(package))
+    torch.save(_cpu(inputs), tmp_path / "inputs.pt")
+    report = _fresh(_AOTI_RUN, str(package), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"), cwd=tmp_path)
+    assert any("permute_" in k for k in report["device"]), report["device"]
+    _assert_equal(torch.load(tmp_path / "out.pt"), expected)
+
+
+@needs_cuda_kernels
+def test_cuda_aoti_package_runs_in_a_fresh_process(tmp_path):
+    inputs = cuda_inputs(37)  # a batch the export never saw
+    expected = permute_multi_embedding_reference(_cpu(inputs), *cuda_plan("cpu"))
+    _aoti_check(Regroup().eval(), cuda_inputs(8), inputs, expected, tmp_path)
+
+
+@needs_cuda_kernels
+def test_cuda_aoti_package_of_the_deploy_example(tmp_path):
+    """``examples/deploy.py``'s model (KeyedTensors built in forward, KTRegroupAsDict) on
+    CUDA, compared with the same model on CPU (the library's CPU kernel)."""
+    pytest.importorskip("torchrec", reason="the example model uses torchrec's KeyedTensor")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_deploy", ROOT / "examples" / "deploy.py")
+    deploy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(deploy)
+    model = deploy.OverArchInput().eval()
+    model(*[x.cuda() for x in deploy.example_inputs(2)])  # the plan, cached on CUDA
+    inputs = [x.cuda() for x in deploy.example_inputs(37)]
+    expected = list(deploy.build()(*deploy.example_inputs(37)))
+    _aoti_check(model, [x.cuda() for x in deploy.example_inputs(4)], inputs, expected, tmp_path)
+
+
+# --- a library without its CUDA kernels ----------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="torch is a CUDA build")
+def test_cpu_torch_library_has_no_cuda_kernels():
+    # A CPU-only build: the portable kernels serve every non-CPU device.
+    assert not _library_has_cuda()
+
+
+@pytest.mark.skipif(
+    not HAS_GPU or _library_has_cuda(),
+    reason="needs a GPU and a library built without its CUDA kernels (KT_REGROUP_CUDA=0); "
+    "only CUDA tensors reach the portable kernel's warning",
+)
+def test_portable_kernel_on_cuda_warns_once_how_to_build_the_cuda_kernels(tmp_path):
+    p, i, o, n = cuda_plan()
+    xs = cuda_inputs(3)
+    torch.save((p, i, o), tmp_path / "plan.pt")
+    torch.save(xs, tmp_path / "xs.pt")
+    report = _fresh("""
+        import warnings
+        p, i, o = torch.load(sys.argv[1] + "/plan.pt")
+        xs = torch.load(sys.argv[1] + "/xs.pt")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                outs = torch.ops.kt_regroup.permute_multi_embedding(xs, p, i, o, %r)
+            torch.ops.kt_regroup.permute_multi_embedding_into(xs, p, i, o, outs)
+        print(json.dumps({"modules": list(sys.modules), "warnings": [str(w.message) for w in seen],
+                          "outs": [o.cpu().tolist() for o in outs]}))
+    """ % (n,), str(tmp_path))
+    assert len(report["warnings"]) == 1, report["warnings"]
+    assert "pip install --no-build-isolation ." in report["warnings"][0]
+    expected = permute_multi_embedding_reference(_cpu(xs), p.cpu(), i.cpu(), o.cpu(), n)
+    _assert_equal([torch.tensor(t) for t in report["outs"]], expected)
+

@@ -23,7 +23,7 @@ REPO = PACKAGE.parent
 SCHEMAS = {
     "permute_multi_embedding", "permute_multi_embedding_backward", "permute_multi_embedding_to",
     "permute_multi_embedding_into", "kt_regroup_arguments", "regroup_keyed_tensor",
-    "_cpu_memory", "_check_permute_args",
+    "_cpu_memory",
 }
 
 
@@ -36,10 +36,9 @@ def run_python(code: str, cwd=None, python=sys.executable, **env) -> subprocess.
 
 def test_library_defines_every_schema():
     proc = run_python("""
-        import json, torch, kt_regroup
-        from torch._library.custom_ops import OPDEFS  # Python's own: the Triton triton_ops
+        import json, torch, kt_regroup  # every op is the library's: none defined in Python
         print(json.dumps(sorted(s.name for s in torch._C._jit_get_all_schemas()
-                                if s.name.startswith("kt_regroup::") and s.name not in OPDEFS)))
+                                if s.name.startswith("kt_regroup::"))))
     """)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1]) == sorted(f"kt_regroup::{n}" for n in SCHEMAS)
@@ -195,3 +194,124 @@ def test_wheel_installs_into_a_fresh_venv_and_imports_silently(tmp_path):
     assert proc.stdout.split()[0] == "ok"
     assert proc.stdout.split()[1].startswith(str(site)), proc.stdout
     assert proc.stderr == "", proc.stderr
+
+
+# --- setup.py: whether and how the CUDA kernels are built (any machine) ------------------------
+
+
+def _setup_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kt_regroup_setup", REPO / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not __main__: defines the helpers, builds nothing
+    return module
+
+
+setup_py = _setup_module()
+
+
+@pytest.mark.parametrize(
+    "torch_cuda, nvcc, env, built, why",
+    [
+        (None, "13.0", "", False, "CPU build"),
+        ("13.0", None, "", False, "`pip install nvidia-cuda-nvcc==13.0.*`"),
+        ("12.8", None, "", False, "install the CUDA 12 toolkit"),
+        ("12.8", "13.0", "", False, "major versions must match"),
+        ("13.0", "12.9", "", False, "major versions must match"),
+        ("13.0", "13.0", "", True, "CUDA 13.0"),
+        ("13.0", "13.1", "", True, "CUDA 13.1"),
+        ("13.0", "13.0", "0", False, "KT_REGROUP_CUDA=0"),
+    ],
+)
+def test_setup_builds_cuda_only_where_torch_and_nvcc_agree(torch_cuda, nvcc, env, built, why):
+    got, reason = setup_py.cuda_build(torch_cuda, nvcc, env)
+    assert got is built
+    assert why in reason
+
+
+def _fake_nvcc(home: pathlib.Path, release: str = "13.0", headers: bool = True) -> pathlib.Path:
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text(
+        "#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
+        f"echo 'Cuda compilation tools, release {release}, V{release}.88'\n"
+    )
+    nvcc.chmod(0o755)
+    if headers:
+        (home / "include").mkdir()
+        (home / "include" / "cuda_runtime.h").write_text("")
+    return nvcc
+
+
+def test_setup_reads_the_nvcc_version(tmp_path):
+    _fake_nvcc(tmp_path)
+    assert setup_py.nvcc_version(str(tmp_path)) == "13.0"
+    assert setup_py.nvcc_version(str(tmp_path / "missing")) is None
+    assert setup_py.nvcc_version(None) is None
+
+
+def test_setup_finds_the_toolkit_behind_a_symlinked_nvcc(tmp_path):
+    toolkit = tmp_path / "cuda-13.0"
+    _fake_nvcc(toolkit)
+    link = tmp_path / "bin" / "nvcc"
+    link.parent.mkdir()
+    link.symlink_to(toolkit / "bin" / "nvcc")
+    assert setup_py.cuda_home({}, str(link)) == str(toolkit)
+    # The user's setting wins.
+    assert setup_py.cuda_home({"CUDA_HOME": "/opt/cuda"}, str(link)) == "/opt/cuda"
+    assert setup_py.cuda_home({"CUDA_PATH": "/opt/cuda-path"}, None) == "/opt/cuda-path"
+
+
+def test_setup_finds_the_nvcc_pip_installs_for_torchs_cuda_major(tmp_path):
+    # nvidia-cuda-nvcc (CUDA 13 on) puts nvcc in site-packages/nvidia/cu13/bin, next to
+    # the runtime headers of torch's nvidia-cuda-runtime; the cu12 form (if it had nvcc)
+    # in nvidia/cuda_nvcc.
+    site = tmp_path / "site-packages"
+    cu13 = site / "nvidia" / "cu13"
+    _fake_nvcc(cu13, "13.0")
+    cu12 = site / "nvidia" / "cuda_nvcc"
+    _fake_nvcc(cu12, "12.8")
+    sites = [str(tmp_path / "elsewhere"), str(site)]
+    assert setup_py.pip_toolkits(sites, None) == []
+    assert setup_py.pip_toolkits([str(site)], "13.0") == [cu13, site / "nvidia" / "cuda_nvcc"]
+    no_local = lambda home: None if home == "/usr/local/cuda" else setup_py.nvcc_version(home)  # noqa: E731
+    assert setup_py.cuda_home({}, None, "13.0", sites, no_local) == str(cu13)
+    assert setup_py.cuda_home({}, None, "12.8", sites, no_local) == str(cu12)
+    # A toolkit on PATH of torch's major comes first; one of another major does not.
+    path_kit = tmp_path / "cuda-path"
+    _fake_nvcc(path_kit, "13.2")
+    assert setup_py.cuda_home({}, str(path_kit / "bin" / "nvcc"), "13.0", sites, no_local) == str(path_kit)
+    assert setup_py.cuda_home({}, str(path_kit / "bin" / "nvcc"), "12.8", sites, no_local) == str(cu12)
+    # Without nvcc or without the runtime headers a folder is no toolkit.
+    bare = tmp_path / "bare" / "nvidia" / "cu13"
+    _fake_nvcc(bare, headers=False)
+    assert setup_py.pip_toolkits([str(tmp_path / "bare")], "13.0")[0] == bare
+    missing = setup_py.cuda_home({}, None, "13.0", [str(tmp_path / "bare")], lambda h: None)
+    assert missing in (None, "/usr/local/cuda")  # never the headerless folder
+
+
+def test_setup_links_the_versioned_cudart_of_a_pip_toolkit(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libcudart.so.13").write_text("")
+    assert setup_py.cudart_link(str(tmp_path)) == "-l:libcudart.so.13"
+    (tmp_path / "lib64").mkdir()
+    (tmp_path / "lib64" / "libcudart.so").write_text("")
+    assert setup_py.cudart_link(str(tmp_path)) is None  # a full toolkit: torch's -lcudart
+    assert setup_py.cudart_link(None) is None
+
+
+def test_setup_builds_for_the_users_list_else_the_visible_gpus():
+    assert setup_py.arch_list({"TORCH_CUDA_ARCH_LIST": "9.0"}, [(8, 0)]) == ("9.0", "TORCH_CUDA_ARCH_LIST")
+    assert setup_py.arch_list({}, [(9, 0), (9, 0), (8, 6)]) == ("8.6;9.0", "the visible GPUs")
+    assert setup_py.arch_list({}, [])[0] == setup_py.DEFAULT_ARCHS
+
+
+def test_setup_cpu_only_extension_is_the_cpp_sources(monkeypatch):
+    # What setup.py compiles where torch has no CUDA: every csrc/*.cpp, nothing of csrc/cuda.
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("KT_REGROUP_CUDA", "0")
+    ext = setup_py.extension()
+    assert sorted(ext.sources) == sorted(str(p) for p in pathlib.Path("kt_regroup/csrc").glob("*.cpp"))
+    assert ext.extra_compile_args == {"cxx": ["-O3", "-fopenmp"]}
+    assert ext.py_limited_api

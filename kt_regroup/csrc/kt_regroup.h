@@ -33,7 +33,7 @@ using TensorPtrs = std::vector<const at::Tensor*>;
 
 // The checks of a call that read no tensor data (dims, dtypes, devices, batch sizes, the
 // metadata's shapes and dtypes, negative sizes): what a kernel whose plan is on a device
-// runs without a host sync (the CUDA kernels, the Triton launcher via _check_permute_args).
+// runs without a host sync (the CUDA kernels).
 //   forward:  ptrs = pooled_embs, lengths = out_lengths, batch_size = nullopt
 //   backward: ptrs = grad_outputs, lengths = in_lengths, batch_size given
 void check_without_data(
@@ -69,11 +69,14 @@ std::vector<Segment> check_backward(
     c10::IntArrayRef in_lengths,
     int64_t batch_size);
 
-// A permute_multi_embedding_into call: the caller-owned outputs (2-D, batch, dtype,
+// The caller-owned outputs of a permute_multi_embedding_into call (2-D, batch, dtype,
 // device, unit column stride, rows that share no memory, no overlap by address with the
 // inputs or each other whatever their Storage, no inference tensor outside inference
-// mode) and everything check_forward checks. Zeroes the outputs unless the segments write every column; the
-// kernel then copies the returned segments.
+// mode); reads no tensor data. Returns their widths (the call's out_lengths).
+std::vector<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList outs);
+
+// check_into_outs, then everything check_forward checks. Zeroes the outputs unless the
+// segments write every column; the kernel then copies the returned segments.
 std::vector<Segment> prepare_into(
     at::TensorList pooled_embs,
     const at::Tensor& permutes,

@@ -198,6 +198,51 @@ std::vector<Segment> check_rows(
 
 }  // namespace
 
+// ---- the checks that read no tensor data ---------------------------------------------------
+// What a kernel whose plan is on a device runs instead of check_forward/check_backward
+// (the CUDA kernels), with the same messages: dims, dtypes, devices, batch sizes, the
+// metadata's shapes and dtypes, negative sizes. The checks that read values (in_shapes /
+// out_shapes against the sizes, every row inside its tensors) are left out: on a device
+// they would copy the plan to the host and wait.
+void check_without_data(
+    const char* op,
+    const TensorPtrs& ptrs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef lengths,
+    std::optional<int64_t> batch_size,
+    bool same_dtype) {
+  const bool backward = batch_size.has_value();
+  const char* name = backward ? "grad_outputs" : "pooled_embs";
+  const char* lengths_name = backward ? "in_lengths" : "out_lengths";
+  std::optional<c10::Device> device;
+  const bool any = std::any_of(ptrs.begin(), ptrs.end(), [](const at::Tensor* t) { return t; });
+  if (!backward || any) {
+    check_tensor_list(op, name, ptrs, same_dtype);
+    for (const at::Tensor* t : ptrs) {
+      if (t) device = t->device();
+    }
+  }
+  if (backward) {
+    TORCH_CHECK_VALUE(
+        *batch_size >= 0, "kt_regroup.", op, ": batch_size is negative (", *batch_size, ")");
+    for (size_t j = 0; j < ptrs.size(); ++j) {
+      TORCH_CHECK_VALUE(
+          !ptrs[j] || ptrs[j]->size(0) == *batch_size, "kt_regroup.", op, ": grad_outputs[", j,
+          "] has ", ptrs[j] ? ptrs[j]->size(0) : 0, " rows, expected batch_size ", *batch_size);
+    }
+  }
+  for (size_t j = 0; j < lengths.size(); ++j) {
+    TORCH_CHECK_VALUE(
+        lengths[j] >= 0, "kt_regroup.", op, ": ", lengths_name, "[", j, "] is negative (",
+        lengths[j], ")");
+  }
+  const size_t n_in = backward ? lengths.size() : ptrs.size();
+  const size_t n_out = backward ? ptrs.size() : lengths.size();
+  check_metadata(op, permutes, in_shapes, out_shapes, n_in, n_out, device);
+}
+
 namespace {
 
 std::vector<Segment> check_forward_impl(
@@ -287,12 +332,7 @@ std::vector<Segment> check_backward(
   return check_rows(op, permutes, in_widths, out_widths);
 }
 
-std::vector<Segment> prepare_into(
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    at::TensorList outs) {
+std::vector<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList outs) {
   const char* op = "permute_multi_embedding_into";
   TORCH_CHECK_VALUE(!pooled_embs.empty(), "kt_regroup.", op, ": pooled_embs is empty");
   const at::Tensor& first = pooled_embs[0];
@@ -356,8 +396,18 @@ std::vector<Segment> prepare_into(
           "] in memory; outputs must not alias each other");
     }
   }
-  std::vector<Segment> segments =
-      check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, widths);
+  return widths;
+}
+
+std::vector<Segment> prepare_into(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs) {
+  const std::vector<int64_t> widths = check_into_outs(pooled_embs, outs);
+  std::vector<Segment> segments = check_forward(
+      "permute_multi_embedding_into", pooled_embs, permutes, in_shapes, out_shapes, widths);
   if (!segments_tile_outputs(segments, widths)) {
     for (const at::Tensor& t : outs) t.zero_();
   }
@@ -609,84 +659,4 @@ TORCH_LIBRARY_IMPL(kt_regroup, CompositeExplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(kt_regroup, CompositeImplicitAutograd, m) {
   m.impl("regroup_keyed_tensor", TORCH_FN(kt_regroup::regroup_keyed_tensor));
-}
-
-// ---- _check_permute_args: the argument checks without a kernel ---------------------------
-// For kernels written outside this library (kt_regroup/kernels/triton.py): the checks that
-// every kernel above runs first and that read no tensor data (dims, dtypes, devices,
-// batch sizes, the metadata's shapes and dtypes, negative sizes), with the same messages.
-// The checks that read values (in_shapes/out_shapes against the sizes, every row inside
-// its tensors) are left out: on a device they would copy the plan to the host and wait.
-//   forward:  tensors = pooled_embs, lengths = out_lengths, batch_size = None
-//   backward: tensors = grad_outputs, lengths = in_lengths, batch_size given
-namespace kt_regroup {
-
-void check_without_data(
-    const char* op,
-    const TensorPtrs& ptrs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef lengths,
-    std::optional<int64_t> batch_size,
-    bool same_dtype) {
-  const bool backward = batch_size.has_value();
-  const char* name = backward ? "grad_outputs" : "pooled_embs";
-  const char* lengths_name = backward ? "in_lengths" : "out_lengths";
-  std::optional<c10::Device> device;
-  const bool any = std::any_of(ptrs.begin(), ptrs.end(), [](const at::Tensor* t) { return t; });
-  if (!backward || any) {
-    check_tensor_list(op, name, ptrs, same_dtype);
-    for (const at::Tensor* t : ptrs) {
-      if (t) device = t->device();
-    }
-  }
-  if (backward) {
-    TORCH_CHECK_VALUE(
-        *batch_size >= 0, "kt_regroup.", op, ": batch_size is negative (", *batch_size, ")");
-    for (size_t j = 0; j < ptrs.size(); ++j) {
-      TORCH_CHECK_VALUE(
-          !ptrs[j] || ptrs[j]->size(0) == *batch_size, "kt_regroup.", op, ": grad_outputs[", j,
-          "] has ", ptrs[j] ? ptrs[j]->size(0) : 0, " rows, expected batch_size ", *batch_size);
-    }
-  }
-  for (size_t j = 0; j < lengths.size(); ++j) {
-    TORCH_CHECK_VALUE(
-        lengths[j] >= 0, "kt_regroup.", op, ": ", lengths_name, "[", j, "] is negative (",
-        lengths[j], ")");
-  }
-  const size_t n_in = backward ? lengths.size() : ptrs.size();
-  const size_t n_out = backward ? ptrs.size() : lengths.size();
-  check_metadata(op, permutes, in_shapes, out_shapes, n_in, n_out, device);
-}
-
-namespace {
-
-void check_permute_args(
-    c10::string_view op_name,
-    const c10::List<std::optional<at::Tensor>>& tensors,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef lengths,
-    std::optional<int64_t> batch_size,
-    bool same_dtype) {
-  const std::string op(op_name);
-  std::vector<std::optional<at::Tensor>> held;
-  check_without_data(
-      op.c_str(), grad_pointers(tensors, held), permutes, in_shapes, out_shapes, lengths,
-      batch_size, same_dtype);
-}
-
-}  // namespace
-}  // namespace kt_regroup
-
-TORCH_LIBRARY_FRAGMENT(kt_regroup, m) {
-  m.def(
-      "_check_permute_args(str op, Tensor?[] tensors, Tensor permutes, Tensor in_shapes, "
-      "Tensor out_shapes, int[] lengths, int? batch_size=None, bool same_dtype=True) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kt_regroup, CompositeImplicitAutograd, m) {
-  m.impl("_check_permute_args", TORCH_FN(kt_regroup::check_permute_args));
 }

@@ -1,6 +1,8 @@
 // Portable kernels: ATen copies, one per segment, registered for every device
-// (CompositeExplicitAutograd) so that CUDA and other devices work without Python until a
-// device has a native kernel. Device kernels (cpu.cpp) override them.
+// (CompositeExplicitAutograd). The native kernels override them: cpu.cpp for CPU, and
+// cuda/permute.cu for CUDA where the library was built with CUDA. Here they serve every
+// other device, and CUDA in a library built without its CUDA kernels (with a warning,
+// once per process, that says how to build them).
 //
 // The metadata is read on the host (a device sync where it lives on an accelerator).
 
@@ -11,6 +13,20 @@
 
 namespace kt_regroup {
 namespace {
+
+// A CUDA tensor here means the library has no CUDA kernels (permute.cu registers every op
+// for CUDA): C++, so that TorchScript and AOTInductor runs warn too.
+void warn_if_cuda(const at::Tensor& t) {
+  if (t.defined() && t.is_cuda()) {
+    TORCH_WARN_ONCE(
+        "kt_regroup: this op library was built without its CUDA kernels, so CUDA tensors take "
+        "the portable kernel (one ATen copy per segment, the plan read on the host: a host "
+        "sync per call, no CUDA graphs). To build them, reinstall kt_regroup with a CUDA "
+        "build of torch and an nvcc of the same CUDA major (CUDA_HOME, nvcc on PATH, or "
+        "`pip install nvidia-cuda-nvcc==<torch.version.cuda>.*` for CUDA 13+): "
+        "`pip install --no-build-isolation .`; it prints why it skips them");
+  }
+}
 
 std::vector<at::Tensor> new_outputs(
     const std::vector<Segment>& segments,
@@ -42,6 +58,8 @@ std::vector<at::Tensor> permute_multi_embedding_to(
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype) {
+  warn_if_cuda(permutes);
+  if (!pooled_embs.empty()) warn_if_cuda(pooled_embs[0]);
   const std::vector<Segment> segments = check_forward(
       "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
       /*same_dtype=*/!dtype.has_value());
@@ -59,6 +77,8 @@ std::vector<at::Tensor> permute_multi_embedding(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths) {
+  warn_if_cuda(permutes);
+  if (!pooled_embs.empty()) warn_if_cuda(pooled_embs[0]);
   const std::vector<Segment> segments = check_forward(
       "permute_multi_embedding", pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
   std::vector<at::Tensor> outs =
@@ -73,6 +93,8 @@ void permute_multi_embedding_into(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     at::TensorList outs) {
+  warn_if_cuda(permutes);
+  if (!pooled_embs.empty()) warn_if_cuda(pooled_embs[0]);
   const std::vector<Segment> segments =
       prepare_into(pooled_embs, permutes, in_shapes, out_shapes, outs);
   copy_segments(pooled_embs, segments, outs);
@@ -88,6 +110,10 @@ std::vector<at::Tensor> permute_multi_embedding_backward(
     c10::ScalarType dtype) {
   std::vector<std::optional<at::Tensor>> held;
   const TensorPtrs grads = grad_pointers(grad_outputs, held);
+  warn_if_cuda(permutes);
+  for (const at::Tensor* g : grads) {
+    if (g) warn_if_cuda(*g);
+  }
   const std::vector<Segment> segments = check_backward(
       "permute_multi_embedding_backward", grads, permutes, in_shapes, out_shapes, in_lengths,
       batch_size);

@@ -1,53 +1,83 @@
-// The device code of permute.cu (the kernels of
-// torch.ops.kt_regroup.permute_multi_embedding{,_to,_backward}) and the planning of
-// their launches: nothing here calls the CUDA runtime. Included by permute.cu only.
+// The device code of permute.cu (the CUDA kernels of
+// torch.ops.kt_regroup.permute_multi_embedding{,_to,_into,_backward}), the planning of
+// their launches and the choice of kernel per dtype: nothing here calls the CUDA runtime,
+// so tests/cuda_emulation.cpp runs the same code on the CPU. Included by both only.
 //
-// Design
+// Design (the one home of these notes)
 // ------
+// *What they compute.* Exactly what tests/reference.py (the test oracle) computes, bit
+// for bit, in one launch per call (per chunk of kMaxTensors tensors a side), whatever
+// the number of rows; batch 0 launches nothing.
+//
 // *Plan on the device, never read on the host.* The rows of `permutes`
 // ([in_tensor, out_tensor, in_offset, out_offset, length, next]) are read by the kernel;
-// output sizes come from out_lengths / in_lengths. The pointers, strides and widths of
-// the tensors travel as kernel arguments (`Tensors<N>`, by value): nothing is copied to
-// the device per call. Beyond N tensors on a side the launch is repeated per chunk.
+// output sizes come from out_lengths / in_lengths, widths from the tensors' shapes; no
+// .item(), no data-dependent size, no host sync: a training step that uses them can be
+// captured in a CUDA graph. Where the plan is on the CPU it is checked in full first
+// (check_forward / check_backward, no sync) and copied to the device; on the device only
+// the checks that read no data run (check_without_data), as for
+// permute_multi_embedding_into, whose outs are checked without data too (check_into_outs).
 //
-// *Grid.* The first `zero_blocks` blocks of the grid fill the columns no row writes;
-// the others are one block per (permute row, tile of batch rows), the row index varying
-// fastest. A copy block moves its row's segment for its batch rows, in 16-byte vectors
-// where the segment, its row strides and its pointers are 16-byte aligned, else element
-// by element.
+// *Tensors as kernel arguments.* The pointers, strides, widths and dtypes of up to
+// kMaxTensors tensors a side travel by value (`Tensors<N>`, baked into a CUDA graph):
+// nothing is copied to the device per call, and every output is an allocation of its
+// own. (One flat buffer sliced into the outputs was rejected: a custom op's outputs may
+// not share storage, one kept group would pin the whole buffer, and
+// permute_multi_embedding_into writes into caller-owned tensors anyway.) Beyond
+// kMaxTensors the launch is repeated per chunk; rows of other chunks exit at once. A
+// backward launch reads every gradient output (at most kMaxReads; more take the portable
+// path).
+//
+// *Grid.* 1-D: the first `zero_blocks` blocks fill the columns no row writes; the others
+// are one block per (permute row, tile of batch rows), the row index varying fastest, so
+// neighbouring blocks touch neighbouring columns of the same rows. A copy block moves its
+// row's segment for its batch rows (about kTileBytes), kUnroll loads in flight per
+// thread, in 16-byte vectors where the segment, its row strides and its pointers are
+// 16-byte aligned, else element by element; int64 indexing throughout.
 //
 // *Columns no row writes* (gaps in an output, gradients of unused keys) are exact zeros,
 // written once: a zero block takes a tile of columns (the written tensors side by side)
-// and a range of batch rows, marks in shared memory the columns that some row writes
-// (every block scans the plan; it is small and cached), and stores zeros in the others.
-// Copy blocks and zero blocks write disjoint columns, so one launch does both.
+// and a range of batch rows, marks in shared memory the columns some row writes (every
+// block scans the plan; it is small and cached) and stores zeros in the others. Copy
+// blocks and zero blocks write disjoint columns, so one launch does both; nothing is
+// zero-filled and then overwritten.
 //
 // *Duplicates* (the backward): rows carry torchrec's chain in column 5 (the first
 // occurrence of a key points to the second; later ones hold minus the index of the next
 // one, or -len(permutes) at the end; keys used once hold 0). Only rows with next >= 0
 // work: such a block sums the gradient blocks of its chain in row order, in float32 for
 // float16/bfloat16 (float64 where either side is float64, PyTorch's promotion), and
-// stores each input-gradient element once. No atomics.
+// stores each input-gradient element once. No atomics, no read-modify-write of global
+// memory.
 //
 // *Bad rows* never make an access leave its tensor: writes are clipped to the written
 // tensor, reads outside the read tensor give 0, a tensor index outside the list makes
 // the row a no-op (its columns are zero-filled), and a chain walk stops after
-// len(permutes) steps. Where the plan is on the CPU it is checked in full first
-// (check_forward / check_backward, no sync); on the device it is not read back.
+// len(permutes) steps. What a bad plan computes is then defined but not meaningful:
+// overlapping output segments race, duplicates without a chain (next == 0 twice) race, a
+// chain linking different keys sums their blocks.
 //
-// *Dtypes.* The forward is a byte copy (any dtype). The fused cast of
+// *Dtypes, and what is compiled.* The forward (and _into) is a byte copy, one kernel per
+// element size (1, 2, 4, 8, 16 bytes), for any dtype. The fused cast of
 // permute_multi_embedding_to converts float32/float64/float16/bfloat16 inside the copy
-// exactly as torch's .to() rounds (c10's conversions); other casts go through .to() of
-// the inputs first. The backward takes float32/float64/float16/bfloat16 gradients; other
-// dtypes, and more than kMaxReads gradient outputs, take the portable path (which reads
-// the plan on the host).
+// exactly as torch's .to() rounds (c10's conversions): one kernel per output dtype, the
+// input dtype read per tensor at run time; other casts go through .to() of the inputs
+// first. The backward takes float32/float64/float16/bfloat16 gradients: one kernel per
+// (input-gradient dtype, compute type), the gradients' dtype read at run time (7 kernels,
+// not 16); other dtypes take the portable path. 16 kernels in all.
+//
+// *Compiled and exported graphs.* torch.compile, torch.export and AOTInductor call the
+// op, as FBGEMM's: the kernels run from the dispatcher, in eager, in a compiled graph,
+// in TorchScript and in a C++ predictor alike.
 
 #pragma once
 
 #include "../kt_regroup.h"
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -320,6 +350,10 @@ __device__ __forceinline__ Dst convert(Src x) {
   return static_cast<Dst>(x);
 }
 
+__device__ __forceinline__ int code_bytes(int8_t code) {
+  return code == kF64 ? 8 : code == kF32 ? 4 : 2;
+}
+
 template <typename Dst>
 __device__ __forceinline__ Dst load_as(const char* p, int8_t code) {
   switch (code) {
@@ -351,7 +385,7 @@ __global__ void __launch_bounds__(kThreads) permute_cast_kernel(
   const char* src = in.ptr[rt];
   const int64_t srs = in.row_stride[rt], scs = in.col_stride[rt];
   const int8_t code = in.dtype[rt];
-  const int es = code == kF64 ? 8 : code == kF32 ? 4 : 2;
+  const int es = code_bytes(code);
   for_tile<Dst>(
       rows, s.hi - s.lo,
       [&](int64_t b, int64_t j) {
@@ -374,17 +408,25 @@ template <> struct Accumulate<c10::BFloat16> { using type = float; };
 struct Link {
   const char* ptr;
   int64_t rs, cs, off, lo, hi;
+  int8_t code;  // the gradient's DtypeCode
 };
 constexpr int kMaxLinks = 16;  // longer chains walk the plan per element
 
-// The backward: chain heads sum their chain's gradient blocks (G) into input gradients (D).
-template <typename G, typename D>
+template <typename T>
+constexpr DtypeCode code_of() {
+  return std::is_same_v<T, float> ? kF32
+      : std::is_same_v<T, double> ? kF64
+      : std::is_same_v<T, c10::Half> ? kF16
+      : kBF16;
+}
+
+// The backward: chain heads sum their chain's gradient blocks (any float dtype, read at
+// run time) into input gradients (D). PyTorch adds a gradient to its accumulator in
+// their promoted type, `Compute`: double where either is double, else float.
+template <typename D, typename Compute>
 __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
     const Launch L, const Tensors<kMaxReads> grads, const Tensors<kMaxTensors> out) {
   using Acc = typename Accumulate<D>::type;
-  // PyTorch adds a gradient to its accumulator in their promoted type.
-  constexpr bool kWide = std::is_same_v<Acc, double> || std::is_same_v<G, double>;
-  using Compute = std::conditional_t<kWide, double, float>;
   int64_t blk = blockIdx.x;
   if (blk < L.zero_blocks) return zero_block<true, sizeof(D)>(L, out, blk);
   blk -= L.zero_blocks;
@@ -398,9 +440,9 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
   D* dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + row.write_off + s.lo;
   const int64_t drs = out.row_stride[wt];
   const int64_t n = L.plan.n_rows;
-  const auto add = [](Acc acc, const char* ptr, int64_t index) {
-    const G g = reinterpret_cast<const G*>(ptr)[index];
-    return static_cast<Acc>(static_cast<Compute>(acc) + static_cast<Compute>(g));
+  const auto add = [](Acc acc, const char* ptr, int64_t index, int8_t code) {
+    const Compute g = load_as<Compute>(ptr + index * code_bytes(code), code);
+    return static_cast<Acc>(static_cast<Compute>(acc) + g);
   };
   // The chain, walked once per block, in row order: the blocks that contribute.
   __shared__ Link links[kMaxLinks];
@@ -419,7 +461,8 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
             break;
           }
           links[k++] = Link{
-              grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off, lo, hi};
+              grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off, lo, hi,
+              grads.dtype[gt]};
         }
       }
       // A head's link is the next row itself; later rows hold minus the next one.
@@ -436,12 +479,14 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
   };
   if (count == 1) {  // a key used once: one block, its bounds in registers
     const Link l = links[0];
-    if constexpr (std::is_same_v<G, D>) {
-      // 16-byte vectors where the block covers the whole segment and is aligned.
+    // 16-byte vectors where the gradient has D's dtype (then Compute is D's own), the
+    // block covers the whole segment and is aligned.
+    if constexpr (std::is_same_v<Compute, std::conditional_t<std::is_same_v<D, double>, double, float>>) {
+      using G = D;
       constexpr int64_t kVec = 16 / sizeof(G);
       const int64_t cols = s.hi - s.lo;
       const char* src = l.ptr + (l.off + s.lo) * sizeof(G);
-      if (l.lo == s.lo && l.hi == s.hi && (l.cs == 1 || cols == 1) && cols % kVec == 0 &&
+      if (l.code == code_of<D>() && l.lo == s.lo && l.hi == s.hi && (l.cs == 1 || cols == 1) && cols % kVec == 0 &&
           l.rs % kVec == 0 && drs % kVec == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
           reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
         const uint4* vs = reinterpret_cast<const uint4*>(src) + b0 * (l.rs / kVec);
@@ -468,8 +513,9 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
         rows, s.hi - s.lo,
         [&](int64_t b, int64_t j) {
           const int64_t c = s.lo + j;
-          return c >= l.lo && c < l.hi ? add(Acc(0), l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs)
-                                       : Acc(0);
+          return c >= l.lo && c < l.hi
+              ? add(Acc(0), l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs, l.code)
+              : Acc(0);
         },
         store);
   } else if (count >= 0) {
@@ -480,7 +526,9 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
           Acc acc = Acc(0);
           for (int k = 0; k < count; ++k) {
             const Link& l = links[k];
-            if (c >= l.lo && c < l.hi) acc = add(acc, l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs);
+            if (c >= l.lo && c < l.hi) {
+              acc = add(acc, l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs, l.code);
+            }
           }
           return acc;
         },
@@ -498,7 +546,8 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
               const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
               if (c >= rd.lo && c < rd.hi) {
                 acc = add(acc, grads.ptr[gt],
-                          (b0 + b) * grads.row_stride[gt] + (cur.read_off + c) * grads.col_stride[gt]);
+                          (b0 + b) * grads.row_stride[gt] + (cur.read_off + c) * grads.col_stride[gt],
+                          grads.dtype[gt]);
               }
             }
             const int64_t next = steps == 1 ? cur.next : -cur.next;
@@ -625,6 +674,43 @@ void backward_launches(
     const int64_t blocks = grid_blocks(L);
     if (blocks > 0) launch(L, g, table<kMaxTensors>(outs, w_lo, w_n), blocks);
   }
+}
+
+// The kernels per dtype, in one place for permute.cu and tests/cuda_emulation.cpp:
+// run(kernel) with the kernel (a pointer to a __global__ function of (Launch, reads,
+// writes)) that a forward into `out_dtype` uses: the fused cast where it applies, else
+// the byte copy of `es`-byte elements.
+template <typename Run>
+void with_forward_kernel(bool fused_cast, c10::ScalarType out_dtype, int64_t es, Run run) {
+  if (fused_cast) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "kt_regroup_to", [&] {
+      run(&permute_cast_kernel<scalar_t>);
+    });
+    return;
+  }
+  switch (es) {
+    case 1: return run(&permute_copy_kernel<1>);
+    case 2: return run(&permute_copy_kernel<2>);
+    case 4: return run(&permute_copy_kernel<4>);
+    case 8: return run(&permute_copy_kernel<8>);
+    case 16: return run(&permute_copy_kernel<16>);
+    default: TORCH_CHECK(false, "kt_regroup: no CUDA copy of ", es, "-byte elements");
+  }
+}
+
+// The same for a backward from float gradients of `grad_dtype` into `dtype`.
+template <typename Run>
+void with_backward_kernel(c10::ScalarType grad_dtype, c10::ScalarType dtype, Run run) {
+  const bool wide = grad_dtype == at::kDouble || dtype == at::kDouble;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward", [&] {
+    // Only the pairs that occur: double input gradients always compute in double.
+    using Narrow = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    if (wide) {
+      run(&permute_backward_kernel<scalar_t, double>);
+    } else {
+      run(&permute_backward_kernel<scalar_t, Narrow>);
+    }
+  });
 }
 
 }  // namespace

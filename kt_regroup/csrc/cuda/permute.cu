@@ -1,13 +1,13 @@
-// The CUDA kernels of torch.ops.kt_regroup.permute_multi_embedding{,_to,_backward}:
-// one launch per call, no host sync. (permute_multi_embedding_into stays with the
-// portable kernel: its checks read the plan on the host.)
+// The CUDA kernels of torch.ops.kt_regroup.permute_multi_embedding{,_to,_into,_backward}:
+// one launch per call, no host sync.
 //
-// The design is described in kernels.cuh, with the kernels.
+// The design is described in kernels.cuh, with the kernels. Only per-operator ATen
+// headers here (not ATen/ATen.h): nvcc compiles this file's host code too.
 
 #include "kernels.cuh"
 
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -29,37 +29,42 @@ at::Tensor plan_on(const at::Tensor& permutes, c10::Device device) {
   return permutes.device() == device ? permutes : permutes.to(device);
 }
 
-std::vector<at::Tensor> forward(
+// The checks of a forward: in full where the plan is on the CPU (no sync), else those
+// that read no tensor data (the plan stays on the device). Then the data must be on CUDA.
+void check_forward_call(
     const char* op,
     at::TensorList pooled_embs,
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths,
-    std::optional<c10::ScalarType> dtype) {
+    bool same_dtype) {
   TORCH_CHECK_VALUE(!pooled_embs.empty(), "kt_regroup.", op, ": pooled_embs is empty");
-  if (on_host(permutes, in_shapes, out_shapes)) {  // checked in full, without a sync
-    check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, !dtype.has_value());
-  } else {  // what needs no tensor data: the plan stays on the device
+  if (on_host(permutes, in_shapes, out_shapes)) {
+    check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, same_dtype);
+  } else {
     TensorPtrs ptrs;
     for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
     check_without_data(
-        op, ptrs, permutes, in_shapes, out_shapes, out_lengths, std::nullopt, !dtype.has_value());
+        op, ptrs, permutes, in_shapes, out_shapes, out_lengths, std::nullopt, same_dtype);
   }
-  const at::Tensor& first = pooled_embs[0];
   TORCH_CHECK_VALUE(
-      first.is_cuda(), "kt_regroup.", op, ": pooled_embs[0] is on ", first.device(),
-      " but other arguments are on cuda; all must be on one device");
-  const c10::cuda::CUDAGuard guard(first.device());
-  const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
+      pooled_embs[0].is_cuda(), "kt_regroup.", op, ": pooled_embs[0] is on ",
+      pooled_embs[0].device(), " but other arguments are on cuda; all must be on one device");
+}
+
+// The forward's launches into `outs` (fresh, or the caller's for _into), every column
+// written: copies, and zeros where no row writes.
+void launch_forward(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    at::TensorList outs,
+    c10::ScalarType out_dtype) {
+  const at::Tensor& first = pooled_embs[0];
   const int64_t batch = first.size(0);
-  std::vector<at::Tensor> outs;
   int64_t total_cols = 0;
-  for (int64_t n : out_lengths) {
-    outs.push_back(at::empty({batch, n}, first.options().dtype(out_dtype)));
-    total_cols += n;
-  }
-  if (batch == 0 || total_cols == 0) return outs;
+  for (const at::Tensor& t : outs) total_cols += t.size(1);
+  if (batch == 0 || total_cols == 0) return;
   const at::Tensor plan = plan_on(permutes, first.device());
 
   bool same = true, floats = is_float(out_dtype);
@@ -81,22 +86,30 @@ std::vector<at::Tensor> forward(
   const int64_t es = outs[0].element_size();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   forward_launches(plan, in_ptrs, out_ptrs, batch, es, [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
-    if (fused_cast) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "kt_regroup_to", [&] {
-        permute_cast_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(L, r, w);
-      });
-    } else {
-      switch (es) {
-        case 1: permute_copy_kernel<1><<<blocks, kThreads, 0, stream>>>(L, r, w); break;
-        case 2: permute_copy_kernel<2><<<blocks, kThreads, 0, stream>>>(L, r, w); break;
-        case 4: permute_copy_kernel<4><<<blocks, kThreads, 0, stream>>>(L, r, w); break;
-        case 8: permute_copy_kernel<8><<<blocks, kThreads, 0, stream>>>(L, r, w); break;
-        case 16: permute_copy_kernel<16><<<blocks, kThreads, 0, stream>>>(L, r, w); break;
-        default: TORCH_CHECK(false, "kt_regroup.", op, ": no CUDA copy of ", es, "-byte elements");
-      }
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    with_forward_kernel(fused_cast, out_dtype, es, [&](auto kernel) {
+      kernel<<<blocks, kThreads, 0, stream>>>(L, r, w);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
+}
+
+std::vector<at::Tensor> forward(
+    const char* op,
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths,
+    std::optional<c10::ScalarType> dtype) {
+  check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, !dtype.has_value());
+  const at::Tensor& first = pooled_embs[0];
+  const c10::cuda::CUDAGuard guard(first.device());
+  const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
+  std::vector<at::Tensor> outs;
+  for (int64_t n : out_lengths) {
+    outs.push_back(at::empty({first.size(0), n}, first.options().dtype(out_dtype)));
+  }
+  launch_forward(pooled_embs, permutes, outs, out_dtype);
   return outs;
 }
 
@@ -121,6 +134,21 @@ std::vector<at::Tensor> permute_multi_embedding_to_cuda(
   return forward(
       "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
       dtype);
+}
+
+// Into caller-owned outputs: their checks read no data (check_into_outs), the plan's as
+// the forward's; then the forward's launches write every column of every output.
+void permute_multi_embedding_into_cuda(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs) {
+  constexpr const char* op = "permute_multi_embedding_into";
+  const std::vector<int64_t> widths = check_into_outs(pooled_embs, outs);
+  check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, widths, /*same_dtype=*/true);
+  const c10::cuda::CUDAGuard guard(pooled_embs[0].device());
+  launch_forward(pooled_embs, permutes, outs, pooled_embs[0].scalar_type());
 }
 
 std::vector<at::Tensor> permute_multi_embedding_backward_cuda(
@@ -170,13 +198,10 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cuda(
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const c10::ScalarType grad_dtype = defined->scalar_type();
   backward_launches(plan, grads, out_ptrs, batch_size, es, [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_dtype, "kt_regroup_backward", [&] {
-      using grad_t = scalar_t;
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward", [&] {
-        permute_backward_kernel<grad_t, scalar_t><<<blocks, kThreads, 0, stream>>>(L, g, w);
-      });
+    with_backward_kernel(grad_dtype, dtype, [&](auto kernel) {
+      kernel<<<blocks, kThreads, 0, stream>>>(L, g, w);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return outs;
 }
@@ -193,6 +218,7 @@ extern "C" int kt_regroup_built_with_cuda() {
 TORCH_LIBRARY_IMPL(kt_regroup, CUDA, m) {
   m.impl("permute_multi_embedding", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_cuda));
   m.impl("permute_multi_embedding_to", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_to_cuda));
+  m.impl("permute_multi_embedding_into", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_into_cuda));
   m.impl(
       "permute_multi_embedding_backward",
       TORCH_FN(kt_regroup::cuda::permute_multi_embedding_backward_cuda));
