@@ -289,10 +289,9 @@ def cpu_memory(cache_limit: Optional[int] = None, huge_pages: Optional[bool] = N
 
 
 def empty_cpu_cache() -> None:
-    """Releases every block the CPU output cache holds (tensors in use keep theirs)."""
-    limit = torch.ops.kt_regroup._cpu_memory()[1]
-    torch.ops.kt_regroup._cpu_memory(0)
-    torch.ops.kt_regroup._cpu_memory(limit)
+    """Releases every block the CPU output cache holds (tensors in use keep theirs) and
+    returns their memory to the system; the limit stays."""
+    torch.ops.kt_regroup._cpu_memory(empty=True)
 
 
 # --- variable-batch (VBE) regroup: permute_multi_embedding_vbe (csrc/vbe.cpp) ----------------

@@ -822,3 +822,121 @@ def test_streaming_stores_past_32mib_match_the_oracle(dtype):
         grads = [_strided_grad(kind, batch, n, v) for n, v in zip(args[3], dense)]
         got = torch.autograd.grad(outs, values, grads, retain_graph=True)
         assert_same_list(got, _oracle_backward(SMALL_LAYOUT, grads, batch, dtype))
+
+
+# --- narrow segments: the forward's copy program ----------------------------------------
+
+# Every width from 1 to 130 columns, split over two inputs and shuffled into three groups,
+# with keys used twice: copies of every byte width the program has a fixed move for, and
+# of the widths around them.
+def _narrow_layout():
+    import random
+
+    groups = [[f"w{w}" for w in range(1, 131) if w % 3 == g] for g in range(3)]
+    for g, group in enumerate(groups):
+        random.Random(g).shuffle(group)
+        group += group[:3]  # duplicated keys
+    return SMALL_LAYOUT._replace(
+        keys=[[f"w{w}" for w in range(1, 131, 2)], [f"w{w}" for w in range(2, 131, 2)]],
+        lengths=[list(range(1, 131, 2)), list(range(2, 131, 2))], groups=groups)
+
+
+NARROW_LAYOUT = _narrow_layout()
+ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+              torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+              torch.complex128]
+
+
+def _random_bits(batch, width, dtype, gen, row_stride_pad=0):
+    """Random bit patterns (NaN payloads and -0.0 included), optionally a column slice."""
+    if dtype == torch.bool:
+        t = torch.randint(0, 2, (batch, width + row_stride_pad), generator=gen).bool()
+    else:
+        t = torch.randint(0, 256, (batch, (width + row_stride_pad) * dtype.itemsize),
+                          generator=gen, dtype=torch.uint8).view(dtype)
+    return t[:, row_stride_pad // 2: row_stride_pad // 2 + width]
+
+
+def _same_bits(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("batch", [0, 1, 3, 32, 513])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_ids)
+def test_narrow_widths_copy_every_bit(batch, dtype):
+    gen = torch.Generator().manual_seed(batch)
+    args = _metadata(NARROW_LAYOUT, coalesced=False)
+    for pad in (0, 5):  # contiguous rows, and row strides past the width
+        values = [_random_bits(batch, w, dtype, gen, pad) for w in NARROW_LAYOUT.in_widths]
+        want = permute_multi_embedding_reference(values, *args)
+        _same_bits(OP(values, *args), want)
+        _same_bits(TO_OP(values, *args, None), want)
+        # _into, with outs that are column slices of wider buffers (row-strided)
+        bases = [_random_bits(batch, n + 9, dtype, gen) for n in args[3]]
+        outs = [b[:, 3:3 + n] for b, n in zip(bases, args[3])]
+        edges = [(b[:, :3].clone(), b[:, 3 + n:].clone()) for b, n in zip(bases, args[3])]
+        INTO_OP(values, *args[:3], outs)
+        _same_bits(outs, want)
+        for b, n, (left, right) in zip(bases, args[3], edges):
+            _same_bits([b[:, :3], b[:, 3 + n:]], [left, right])
+    if batch:  # transposed storage (column stride != 1)
+        values = [v.t().contiguous().t() for v in values]
+        _same_bits(OP(values, *args), permute_multi_embedding_reference(values, *args))
+
+
+# --- the per-thread plan cache ----------------------------------------------------------
+
+
+@needs_cpu_kernel
+def test_a_plan_changed_in_place_is_checked_again():
+    """The checked plan is reused only for the same values: writes that bump no version
+    counter (through numpy) are seen, and bounds are checked again."""
+    values = make_values(SMALL_LAYOUT, 4)
+    permutes, in_shapes, out_shapes, out_lengths = _metadata(SMALL_LAYOUT, coalesced=False)
+    assert_same_list(OP(values, permutes, in_shapes, out_shapes, out_lengths),
+                     permute_multi_embedding_reference(values, permutes, in_shapes, out_shapes,
+                                                       out_lengths))
+    rows = permutes.numpy()
+    rows[0, 2] = 1000  # out of bounds, unseen by the version counter
+    with pytest.raises(IndexError, match=r"permutes\[0\] reads columns \[1000"):
+        OP(values, permutes, in_shapes, out_shapes, out_lengths)
+    rows[0, 2] = 0
+    rows[0, 4] = 0  # valid again, a different plan: an empty row
+    assert_same_list(OP(values, permutes, in_shapes, out_shapes, out_lengths),
+                     permute_multi_embedding_reference(values, permutes, in_shapes, out_shapes,
+                                                       out_lengths))
+    in_shapes.numpy()[0] += 1
+    with pytest.raises(ValueError, match=r"in_shapes\[0\]"):
+        OP(values, permutes, in_shapes, out_shapes, out_lengths)
+    in_shapes.numpy()[0] -= 1
+    wider = [torch.cat([values[0], values[0]], 1), values[1]]
+    with pytest.raises(ValueError, match=r"in_shapes\[0\]"):
+        OP(wider, permutes, in_shapes, out_shapes, out_lengths)
+
+
+# --- the fused cast's backward ----------------------------------------------------------
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("src, dst", [(s, d) for s in FLOAT_DTYPES for d in FLOAT_DTYPES
+                                       if s != d], ids=str)
+def test_fused_cast_backward_matches_reference_and_keeps_negative_zero(src, dst):
+    layout = SMALL_LAYOUT
+    values = make_values(layout, 5, src, requires_grad=True)
+    args = _metadata(layout, coalesced=False)
+    outs = TO_OP(values, *args, dst)
+    grads = _grads(args[3], 5, dst, seed=1)
+    for g in grads:
+        g[:, ::2] = -0.0
+    got = torch.autograd.grad(outs, values, grads)
+    want = permute_multi_embedding_backward_reference(
+        grads, *args[:3], get_plan(*layout).in_lengths, 5, src)
+    assert_same_list(got, want)
+    # 'd' (input 1, columns 1:4) is used once, at columns 127:130 of group 1: a copy,
+    # whose -0.0 gradients stay -0.0 as in the plain path.
+    assert torch.equal(torch.signbit(got[1][:, 1:4]), torch.signbit(grads[1][:, 127:130]))
+    assert torch.signbit(got[1][:, 1:4]).any()

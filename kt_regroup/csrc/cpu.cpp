@@ -22,7 +22,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#include <iterator>
 #include <type_traits>
+#include <utility>
 
 namespace kt_regroup {
 namespace {
@@ -212,52 +214,146 @@ void permute_convert_into(
   });
 }
 
-// `warm`: the outputs' pages are faulted in (see use_streaming).
-void permute_forward_into(
+// ---- the forward copy program -----------------------------------------------------------
+//
+// Serving layouts have dozens of narrow keys (8 to 32 columns): a row is dozens of
+// copies of 16 to 128 bytes, where a general copy loop spends more on its own control
+// (a length, a loop per size class) than on the bytes. The forward therefore runs a
+// program compiled per plan and element size: per batch row, runs of copies that read
+// one input, write one output and share one byte width; a run of a common width copies
+// with a fixed-size move (straight vector loads and stores), the rest with copy_segment.
+
+// Byte offsets of one copy inside its input and output rows, and its size.
+struct CopyOp {
+  int64_t src;
+  int64_t dst;
+  int64_t nbytes;
+};
+struct CopyRun {
+  int64_t in_t;
+  int64_t out_t;
+  int64_t width;  // bytes of every op in the run, one of kFixedWidths; 0: each op's own
+  int64_t first;  // its ops: ops[first, first + count)
+  int64_t count;
+};
+constexpr int64_t kFixedWidths[] = {2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512};
+
+struct ForwardProgram {
+  std::vector<CopyRun> runs;
+  std::vector<CopyOp> ops;
+  int64_t bytes_per_row = 0;
+  int64_t es = 0;
+};
+
+// `reorder`: read each input row front to back (the writes are disjoint, so the order of
+// the copies is free); otherwise the segments' order is kept (later writes win).
+ForwardProgram compile_forward(const std::vector<Segment>& segments, int64_t es, bool reorder) {
+  ForwardProgram p;
+  p.es = es;
+  auto width_of = [&](const Segment& s) {
+    const int64_t n = s.length * es;
+    for (int64_t w : kFixedWidths) {
+      if (w == n) return w;
+    }
+    return int64_t(0);
+  };
+  std::vector<const Segment*> order;
+  order.reserve(segments.size());
+  for (const Segment& s : segments) {
+    order.push_back(&s);
+    p.bytes_per_row += s.length * es;
+  }
+  if (reorder && writes_disjoint(segments)) {
+    // Grouped by input, output and width (long runs of one kind of move), each run
+    // reading its input front to back.
+    std::stable_sort(order.begin(), order.end(), [&](const Segment* a, const Segment* b) {
+      if (a->in_t != b->in_t) return a->in_t < b->in_t;
+      if (a->out_t != b->out_t) return a->out_t < b->out_t;
+      const int64_t wa = width_of(*a), wb = width_of(*b);
+      return wa != wb ? wa < wb : a->in_off < b->in_off;
+    });
+  }
+  p.ops.reserve(order.size());
+  for (const Segment* s : order) {
+    const int64_t w = width_of(*s);
+    if (p.runs.empty() || p.runs.back().in_t != s->in_t || p.runs.back().out_t != s->out_t ||
+        p.runs.back().width != w) {
+      p.runs.push_back(CopyRun{s->in_t, s->out_t, w, int64_t(p.ops.size()), 0});
+    }
+    ++p.runs.back().count;
+    p.ops.push_back(CopyOp{s->in_off * es, s->out_off * es, s->length * es});
+  }
+  return p;
+}
+
+// `count` copies of N bytes: fixed-size moves the compiler emits inline.
+template <int64_t N>
+void copy_fixed(char* dst, const char* src, const CopyOp* op, int64_t count) {
+  for (int64_t k = 0; k < count; ++k) {
+    char* d = dst + op[k].dst;
+    const char* s = src + op[k].src;
+    if constexpr (N <= 64) {
+      std::memcpy(d, s, N);
+    } else {
+      for (int64_t i = 0; i + 64 <= N; i += 64) std::memcpy(d + i, s + i, 64);
+      if constexpr (N % 64 != 0) std::memcpy(d + N / 64 * 64, s + N / 64 * 64, N % 64);
+    }
+  }
+}
+
+template <size_t... I>
+void copy_run(
+    const CopyRun& run, char* dst, const char* src, const CopyOp* ops,
+    std::index_sequence<I...>) {
+  const CopyOp* op = ops + run.first;
+  // One fixed-size loop per common width; the fold stops at the first match.
+  const bool fixed =
+      ((run.width == kFixedWidths[I] && (copy_fixed<kFixedWidths[I]>(dst, src, op, run.count), true)) ||
+       ...);
+  if (!fixed) {
+    for (int64_t k = 0; k < run.count; ++k) {
+      copy_segment(dst + op[k].dst, src + op[k].src, op[k].nbytes);
+    }
+  }
+}
+
+// `warm`: the outputs' pages are faulted in (see use_streaming). The inputs have the
+// outputs' dtype (the fused cast sends other inputs to permute_convert_into).
+void run_forward(
     at::TensorList pooled_embs,
     const std::vector<Segment>& segments,
+    const ForwardProgram& program,
     at::TensorList outs,
     bool warm) {
   const int64_t batch = pooled_embs[0].size(0);
   if (batch == 0 || segments.empty()) return;
-  // A byte copy: the segments' inputs have the outputs' dtype (the fused cast sends
-  // other inputs to permute_convert_into).
   const int64_t es = outs[segments[0].out_t].element_size();
-
   std::vector<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
   for (at::Tensor& t : inputs) t = rows_readable(t);
+  const int64_t bytes_per_row = program.bytes_per_row;
 
-  struct Copy {
-    const char* src;
-    int64_t src_stride;
-    char* dst;
-    int64_t dst_stride;
-    int64_t nbytes;
-  };
-  int64_t bytes_per_row = 0;
-  for (const Segment& s : segments) bytes_per_row += s.length * es;
-  const std::vector<const Segment*> order = copy_order(segments, batch * bytes_per_row);
-  std::vector<Copy> copies;
-  copies.reserve(segments.size());
-  for (const Segment* sp : order) {
-    const Segment& s = *sp;
-    const at::Tensor& in = inputs[s.in_t];
-    const at::Tensor& out = outs[s.out_t];
-    Copy c;
-    c.src = static_cast<const char*>(in.const_data_ptr()) + s.in_off * es;
-    c.src_stride = in.stride(0) * es;
-    c.dst = static_cast<char*>(out.data_ptr()) + s.out_off * es;
-    c.dst_stride = out.stride(0) * es;
-    c.nbytes = s.length * es;
-    copies.push_back(c);
-  }
-  const Copy* cs = copies.data();
-  const size_t n = copies.size();
   if (use_streaming(batch * bytes_per_row, warm)) {
+    struct Copy {
+      const char* src;
+      int64_t src_stride;
+      char* dst;
+      int64_t dst_stride;
+      int64_t nbytes;
+    };
+    std::vector<Copy> copies;
+    copies.reserve(segments.size());
+    for (const Segment* sp : copy_order(segments, batch * bytes_per_row)) {
+      const Segment& s = *sp;
+      const at::Tensor& in = inputs[s.in_t];
+      const at::Tensor& out = outs[s.out_t];
+      copies.push_back(Copy{
+          static_cast<const char*>(in.const_data_ptr()) + s.in_off * es, in.stride(0) * es,
+          static_cast<char*>(out.data_ptr()) + s.out_off * es, out.stride(0) * es,
+          s.length * es});
+    }
     at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        for (size_t k = 0; k < n; ++k) {
-          const Copy& c = cs[k];
+        for (const Copy& c : copies) {
           stream_segment(c.dst + b * c.dst_stride, c.src + b * c.src_stride, c.nbytes);
         }
       }
@@ -265,16 +361,65 @@ void permute_forward_into(
     });
     return;
   }
+
+  // Row 0 and the row stride of every input and output, in bytes.
+  const size_t n_in = inputs.size(), n_out = outs.size();
+  std::vector<const char*> in_base(n_in);
+  std::vector<int64_t> in_stride(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    in_base[i] = static_cast<const char*>(inputs[i].const_data_ptr());
+    in_stride[i] = inputs[i].stride(0) * es;
+  }
+  std::vector<char*> out_base(n_out);
+  std::vector<int64_t> out_stride(n_out);
+  for (size_t j = 0; j < n_out; ++j) {
+    out_base[j] = static_cast<char*>(outs[j].data_ptr());
+    out_stride[j] = outs[j].stride(0) * es;
+  }
+  const CopyRun* runs = program.runs.data();
+  const size_t n_runs = program.runs.size();
+  const CopyOp* ops = program.ops.data();
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      for (size_t k = 0; k < n; ++k) {
-        const Copy& c = cs[k];
-        copy_segment(c.dst + b * c.dst_stride, c.src + b * c.src_stride, c.nbytes);
+      for (size_t r = 0; r < n_runs; ++r) {
+        const CopyRun& run = runs[r];
+        copy_run(
+            run, out_base[run.out_t] + b * out_stride[run.out_t],
+            in_base[run.in_t] + b * in_stride[run.in_t], ops,
+            std::make_index_sequence<std::size(kFixedWidths)>());
       }
     }
   });
 }
 
+void permute_forward_into(
+    at::TensorList pooled_embs,
+    const std::vector<Segment>& segments,
+    at::TensorList outs,
+    bool warm) {
+  if (pooled_embs[0].size(0) == 0 || segments.empty()) return;
+  const int64_t es = outs[segments[0].out_t].element_size();
+  run_forward(pooled_embs, segments, compile_forward(segments, es, /*reorder=*/true), outs, warm);
+}
+
+// The same for all of a checked plan's segments, with the program the plan keeps.
+void permute_plan_into(
+    at::TensorList pooled_embs,
+    const CheckedPlan& plan,
+    at::TensorList outs,
+    bool warm) {
+  const std::vector<Segment>& segments = plan.segments;
+  if (pooled_embs[0].size(0) == 0 || segments.empty()) return;
+  const int64_t es = outs[segments[0].out_t].element_size();
+  const int slot = es == 1 ? 0 : es == 2 ? 1 : es == 4 ? 2 : es == 8 ? 3 : 4;
+  std::shared_ptr<const void>& compiled = plan.compiled[slot];
+  if (!compiled || static_cast<const ForwardProgram*>(compiled.get())->es != es) {
+    compiled = std::make_shared<const ForwardProgram>(
+        compile_forward(segments, es, /*reorder=*/true));
+  }
+  run_forward(
+      pooled_embs, segments, *static_cast<const ForwardProgram*>(compiled.get()), outs, warm);
+}
 
 std::vector<at::Tensor> permute_multi_embedding_cpu(
     at::TensorList pooled_embs,
@@ -282,15 +427,15 @@ std::vector<at::Tensor> permute_multi_embedding_cpu(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths) {
-  const std::vector<Segment> segments = check_forward(
+  const std::shared_ptr<const CheckedPlan> plan = check_forward_plan(
       "permute_multi_embedding", pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
   const at::Tensor& first = pooled_embs[0];
   const int64_t batch = first.size(0);
   // Every column written exactly once: skip the zero fill.
-  const bool tiled = segments_tile_outputs(segments, out_lengths);
   bool warm = false;
-  std::vector<at::Tensor> outs = new_outputs(batch, out_lengths, first.options(), tiled, warm);
-  permute_forward_into(pooled_embs, segments, outs, warm);
+  std::vector<at::Tensor> outs =
+      new_outputs(batch, out_lengths, first.options(), plan->tiled, warm);
+  permute_plan_into(pooled_embs, *plan, outs, warm);
   return outs;
 }
 
@@ -303,16 +448,16 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
     std::optional<c10::ScalarType> dtype) {
   // With a dtype, inputs may differ in dtype (fp16/bf16 embeddings next to fp32 dense
   // features): each is cast in the copy.
-  const std::vector<Segment> segments = check_forward(
+  const std::shared_ptr<const CheckedPlan> plan = check_forward_plan(
       "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
       /*same_dtype=*/!dtype.has_value());
+  const std::vector<Segment>& segments = plan->segments;
   const at::Tensor& first = pooled_embs[0];
   const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
   const int64_t batch = first.size(0);
-  const bool tiled = segments_tile_outputs(segments, out_lengths);
   bool warm = false;
   std::vector<at::Tensor> outs =
-      new_outputs(batch, out_lengths, first.options().dtype(out_dtype), tiled, warm);
+      new_outputs(batch, out_lengths, first.options().dtype(out_dtype), plan->tiled, warm);
   auto is_float = [](c10::ScalarType t) {
     return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
   };
@@ -327,7 +472,9 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
     it->second.push_back(s);
   }
   for (const auto& [in_dtype, segs] : passes) {
-    if (in_dtype == out_dtype) {
+    if (in_dtype == out_dtype && passes.size() == 1) {
+      permute_plan_into(pooled_embs, *plan, outs, warm);
+    } else if (in_dtype == out_dtype) {
       permute_forward_into(pooled_embs, segs, outs, warm);
     } else if (is_float(in_dtype) && is_float(out_dtype)) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in_dtype, "kt_regroup_to", [&] {
@@ -356,9 +503,9 @@ void permute_multi_embedding_into_cpu(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     at::TensorList outs) {
-  const std::vector<Segment> segments =
-      prepare_into(pooled_embs, permutes, in_shapes, out_shapes, outs);
-  permute_forward_into(pooled_embs, segments, outs, /*warm=*/true);
+  const std::shared_ptr<const CheckedPlan> plan =
+      prepare_into_plan(pooled_embs, permutes, in_shapes, out_shapes, outs);
+  permute_plan_into(pooled_embs, *plan, outs, /*warm=*/true);
 }
 
 // ---- backward -------------------------------------------------------------------------
@@ -386,40 +533,54 @@ using acc_type_t = std::conditional_t<
     std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>, float,
     scalar_t>;
 
+// The type a gradient of `dst_t` accumulates in, and the type each addition of a
+// `src_t` value is done in (as `acc += src` in ATen: the wider of the two, rounded back).
+template <typename dst_t, typename src_t>
+using add_type_t = std::conditional_t<
+    std::is_same_v<src_t, double> || std::is_same_v<acc_type_t<dst_t>, double>, double,
+    acc_type_t<dst_t>>;
+
+// One gradient value of `src_t` as a `dst_t` gradient: through the accumulation type, as
+// the reference rounds it (no rounding at all for the same type: the bits are kept).
+template <typename dst_t, typename src_t>
+inline dst_t grad_convert(src_t v) {
+  if constexpr (std::is_same_v<src_t, dst_t>) {
+    return v;
+  } else {
+    return static_cast<dst_t>(static_cast<acc_type_t<dst_t>>(static_cast<add_type_t<dst_t, src_t>>(v)));
+  }
+}
+
 // d[c] = sum over sources k, in row order, of s_k[c]; each d[c] written once, float16 /
 // bfloat16 accumulated in float32 and rounded once.
-template <typename scalar_t, bool kUnit>
-void sum_sources(scalar_t* d, const GradSource* src, int64_t count, int64_t numel, int64_t b) {
-  using acc_t = acc_type_t<scalar_t>;
+template <typename dst_t, typename src_t, bool kUnit>
+void sum_sources(dst_t* d, const GradSource* src, int64_t count, int64_t numel, int64_t b) {
+  using acc_t = acc_type_t<dst_t>;
+  using add_t = add_type_t<dst_t, src_t>;
   constexpr int64_t kChunk = 512;  // fits L1 next to the rows it reads
   acc_t acc[kChunk];
   for (int64_t c0 = 0; c0 < numel; c0 += kChunk) {
     const int64_t n = std::min(kChunk, numel - c0);
     for (int64_t k = 0; k < count; ++k) {
       const GradSource& g = src[k];
-      const scalar_t* s = static_cast<const scalar_t*>(g.base) + b * g.row_stride;
-      if constexpr (kUnit) {
-        s += c0;
-        if (k == 0) {
-          for (int64_t c = 0; c < n; ++c) acc[c] = static_cast<acc_t>(s[c]);
-        } else {
-          for (int64_t c = 0; c < n; ++c) acc[c] += static_cast<acc_t>(s[c]);
-        }
+      const src_t* s = static_cast<const src_t*>(g.base) + b * g.row_stride;
+      const int64_t cs = kUnit ? 1 : g.col_stride;
+      s += c0 * cs;
+      if (k == 0) {
+        for (int64_t c = 0; c < n; ++c) acc[c] = static_cast<acc_t>(static_cast<add_t>(s[c * cs]));
       } else {
-        const int64_t cs = g.col_stride;
-        s += c0 * cs;
-        if (k == 0) {
-          for (int64_t c = 0; c < n; ++c) acc[c] = static_cast<acc_t>(s[c * cs]);
-        } else {
-          for (int64_t c = 0; c < n; ++c) acc[c] += static_cast<acc_t>(s[c * cs]);
+        for (int64_t c = 0; c < n; ++c) {
+          acc[c] = static_cast<acc_t>(static_cast<add_t>(acc[c]) + static_cast<add_t>(s[c * cs]));
         }
       }
     }
-    for (int64_t c = 0; c < n; ++c) d[c0 + c] = static_cast<scalar_t>(acc[c]);
+    for (int64_t c = 0; c < n; ++c) d[c0 + c] = static_cast<dst_t>(acc[c]);
   }
 }
 
-template <typename scalar_t>
+// Gradients of `src_t` into input gradients of `dst_t`: the same type is a byte copy where
+// a block has one source; another (the fused cast's backward) converts each value.
+template <typename dst_t, typename src_t>
 void backward_rows(
     int64_t batch,
     const std::vector<GradBlock>& blocks,
@@ -427,13 +588,14 @@ void backward_rows(
     const std::vector<std::pair<char*, int64_t>>& dsts,  // input gradient: base, row stride
     int64_t bytes_per_row,
     bool warm) {
-  constexpr int64_t es = sizeof(scalar_t);
+  constexpr bool kSame = std::is_same_v<dst_t, src_t>;
+  constexpr int64_t es = sizeof(dst_t);
   // Past the caches: streaming stores for copies and fills (sums keep normal stores).
   const bool stream = use_streaming(batch * bytes_per_row, warm);
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (const GradBlock& g : blocks) {
-        scalar_t* d = reinterpret_cast<scalar_t*>(dsts[g.out_i].first + b * dsts[g.out_i].second) +
+        dst_t* d = reinterpret_cast<dst_t*>(dsts[g.out_i].first + b * dsts[g.out_i].second) +
             g.dst_off;
         if (g.count == 0) {  // columns of keys no group uses
           std::memset(d, 0, g.numel * es);
@@ -441,29 +603,31 @@ void backward_rows(
         }
         const GradSource* src = sources.data() + g.first;
         if (g.count == 1) {
-          const scalar_t* s = static_cast<const scalar_t*>(src->base) + b * src->row_stride;
-          if (g.unit) {
+          const src_t* s = static_cast<const src_t*>(src->base) + b * src->row_stride;
+          if (g.unit && kSame) {
             if (stream) {
               stream_segment(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), g.numel * es);
             } else {
               copy_segment(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), g.numel * es);
             }
+          } else if (g.unit) {
+            for (int64_t c = 0; c < g.numel; ++c) d[c] = grad_convert<dst_t>(s[c]);
           } else if (src->col_stride == 0) {  // a broadcast row: out.sum() and friends
             if (stream) {
-              stream_fill(d, g.numel, *s);
+              stream_fill(d, g.numel, grad_convert<dst_t>(*s));
             } else {
-              std::fill_n(d, g.numel, *s);
+              std::fill_n(d, g.numel, grad_convert<dst_t>(*s));
             }
           } else {
             const int64_t cs = src->col_stride;
-            for (int64_t c = 0; c < g.numel; ++c) d[c] = s[c * cs];
+            for (int64_t c = 0; c < g.numel; ++c) d[c] = grad_convert<dst_t>(s[c * cs]);
           }
           continue;
         }
         if (g.unit) {
-          sum_sources<scalar_t, true>(d, src, g.count, g.numel, b);
+          sum_sources<dst_t, src_t, true>(d, src, g.count, g.numel, b);
         } else {
-          sum_sources<scalar_t, false>(d, src, g.count, g.numel, b);
+          sum_sources<dst_t, src_t, false>(d, src, g.count, g.numel, b);
         }
       }
     }
@@ -494,11 +658,19 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
       break;
     }
   }
-  bool fast = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
-      dtype == at::kBFloat16 || c10::isIntegralType(dtype, /*includeBool=*/false);
+  auto is_float = [](c10::ScalarType t) {
+    return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+  };
+  // The gradients' dtype (check_backward: one for all), the dtype's when there are none.
+  c10::ScalarType grad_dtype = dtype;
   for (const at::Tensor* g : grads) {
-    if (g && g->scalar_type() != dtype) fast = false;
+    if (g) grad_dtype = g->scalar_type();
   }
+  // The same dtype (float or integer), or a cast between float dtypes: the fused cast's
+  // backward (upstream gradients in the output dtype, input gradients in the input's).
+  const bool fast = grad_dtype == dtype
+      ? is_float(dtype) || c10::isIntegralType(dtype, /*includeBool=*/false)
+      : is_float(dtype) && is_float(grad_dtype);
   if (!fast) return backward_by_segments(grads, segments, in_lengths, batch_size, dtype, device);
 
   bool warm = false;
@@ -517,6 +689,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
     readable[j] = std::move(r);
   }
   const int64_t es = c10::elementSize(dtype);
+  const int64_t grad_es = c10::elementSize(grad_dtype);
 
   // Per input: cut its columns at every segment boundary, list each piece's sources in
   // row order, then merge neighbouring pieces whose sources continue contiguously.
@@ -579,16 +752,26 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
         const int64_t cs = src.stride(1);
         g.unit = g.unit && (cs == 1 || g.numel == 1);
         sources.push_back(GradSource{
-            static_cast<const char*>(src.const_data_ptr()) + p.out_off * cs * es, src.stride(0),
+            static_cast<const char*>(src.const_data_ptr()) + p.out_off * cs * grad_es, src.stride(0),
             cs});
       }
       blocks.push_back(g);
       k = end;
     }
   }
-  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
-    backward_rows<scalar_t>(batch_size, blocks, sources, dsts, bytes_per_row, warm);
-  });
+  if (grad_dtype == dtype) {
+    AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
+      backward_rows<scalar_t, scalar_t>(batch_size, blocks, sources, dsts, bytes_per_row, warm);
+    });
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
+      using dst_t = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(
+          at::kHalf, at::kBFloat16, grad_dtype, "kt_regroup_backward_cpu", [&] {
+            backward_rows<dst_t, scalar_t>(batch_size, blocks, sources, dsts, bytes_per_row, warm);
+          });
+    });
+  }
   return out;
 }
 

@@ -10,11 +10,14 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cctype>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <string>
 
 #if defined(__linux__)
 #include <pthread.h>
@@ -27,12 +30,70 @@ namespace {
 constexpr size_t kPage = size_t(4) << 10;
 constexpr size_t kHugePage = size_t(2) << 20;
 
-int64_t env_int(const char* name, int64_t fallback) {
+// The cache limit from KT_REGROUP_CPU_CACHE_MB (MiB), or `fallback` with a warning that
+// names the variable when it is not a whole number of MiB in [0, 2^43).
+int64_t env_cache_limit(int64_t fallback) {
+  const char* name = "KT_REGROUP_CPU_CACHE_MB";
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
+  constexpr int64_t kMaxMiB = (int64_t(1) << 43) - 1;  // << 20 stays inside int64
   char* end = nullptr;
+  errno = 0;
   const long long parsed = std::strtoll(v, &end, 10);
-  return (end != nullptr && *end == '\0' && parsed >= 0) ? parsed : fallback;
+  if (end == v || *end != '\0' || errno == ERANGE || parsed < 0 || parsed > kMaxMiB) {
+    TORCH_WARN(
+        "kt_regroup: ignoring ", name, "='", v, "': expected a whole number of MiB from 0 to ",
+        kMaxMiB, " (0 turns the cache off); using the default, ", fallback >> 20, " MiB");
+    return fallback;
+  }
+  return static_cast<int64_t>(parsed) << 20;
+}
+
+// KT_REGROUP_HUGE_PAGES: 1/0, true/false, on/off, yes/no (any case); anything else is
+// ignored with a warning that names the variable.
+bool env_huge_pages() {
+  const char* name = "KT_REGROUP_HUGE_PAGES";
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return false;
+  std::string s(v);
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s == "1" || s == "true" || s == "on" || s == "yes") return true;
+  if (s == "0" || s == "false" || s == "off" || s == "no") return false;
+  TORCH_WARN(
+      "kt_regroup: ignoring ", name, "='", v,
+      "': expected 1 or 0 (or true/false, on/off, yes/no); huge pages stay off");
+  return false;
+}
+
+// Blocks are whole mappings of their own (mmap/munmap where there is mmap): releasing one
+// returns its pages to the system at once, where a heap block freed to glibc would stay
+// in the process (blocks of 4-32 MiB come from the heap once glibc has raised its mmap
+// threshold).
+void* map_block(size_t bytes, size_t align) {
+#if defined(__linux__)
+  // Over-map by the alignment, then unmap the slack on both sides.
+  const size_t span = bytes + (align > kPage ? align : 0);
+  void* m = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return nullptr;
+  const auto base = reinterpret_cast<uintptr_t>(m);
+  const uintptr_t start = (base + align - 1) / align * align;
+  if (start > base) munmap(m, start - base);
+  const uintptr_t end = start + bytes;
+  if (base + span > end) munmap(reinterpret_cast<void*>(end), base + span - end);
+  return reinterpret_cast<void*>(start);
+#else
+  void* p = nullptr;
+  return posix_memalign(&p, align, bytes) == 0 ? p : nullptr;
+#endif
+}
+
+void unmap_block(void* p, size_t bytes) {
+#if defined(__linux__)
+  munmap(p, bytes);
+#else
+  (void)bytes;
+  std::free(p);
+#endif
 }
 
 struct Block {
@@ -43,8 +104,7 @@ struct Block {
 class BlockCache final : public c10::Allocator {
  public:
   BlockCache()
-      : limit_(env_int("KT_REGROUP_CPU_CACHE_MB", 2048) << 20),
-        huge_(env_int("KT_REGROUP_HUGE_PAGES", 0) != 0) {}
+      : limit_(env_cache_limit(int64_t(2048) << 20)), huge_(env_huge_pages()) {}
 
   // A block of at least `nbytes`; `warm` tells whether it was reused.
   c10::DataPtr take(size_t nbytes, bool* warm) {
@@ -76,8 +136,8 @@ class BlockCache final : public c10::Allocator {
     const bool huge = huge_.load(std::memory_order_relaxed);
     const size_t align = huge ? kHugePage : kPage;
     const size_t rounded = (nbytes + align - 1) / align * align;
-    void* p = nullptr;
-    if (posix_memalign(&p, align, rounded) != 0 || p == nullptr) {
+    void* p = map_block(rounded, align);
+    if (p == nullptr) {
       return c10::GetCPUAllocator()->allocate(nbytes);  // let c10 report the failure
     }
 #if defined(__linux__)
@@ -96,21 +156,24 @@ class BlockCache final : public c10::Allocator {
     default_copy_data(dest, src, count);
   }
 
-  // [cached bytes, cache limit, huge pages, hits, misses] after applying the settings.
-  std::vector<int64_t> configure(std::optional<int64_t> limit, std::optional<bool> huge) {
+  // [cached bytes, cache limit, huge pages, hits, misses] after applying the settings;
+  // `empty` releases every cached block first (the limit stays), in the same locked step.
+  std::vector<int64_t> configure(
+      std::optional<int64_t> limit, std::optional<bool> huge, bool empty) {
     TORCH_CHECK(!limit || *limit >= 0, "kt_regroup: the CPU cache limit must be >= 0, got ", *limit);
-    if (huge) huge_ = *huge;
     std::deque<Block> released;
     std::vector<int64_t> state;
     {
       std::lock_guard<std::mutex> guard(mu_);
+      if (huge) huge_ = *huge;
+      if (empty) evict_to(0, released);
       if (limit) {
         limit_ = *limit;
         evict_to(static_cast<size_t>(*limit), released);
       }
       state = {static_cast<int64_t>(cached_), limit_.load(), huge_.load() ? 1 : 0, hits_, misses_};
     }
-    for (const Block& b : released) std::free(b.ptr);
+    for (const Block& b : released) unmap_block(b.ptr, b.bytes);  // outside the lock
     return state;
   }
 
@@ -147,7 +210,7 @@ class BlockCache final : public c10::Allocator {
         released.push_back(b);
       }
     }
-    for (const Block& r : released) std::free(r.ptr);  // outside the lock
+    for (const Block& r : released) unmap_block(r.ptr, r.bytes);  // outside the lock
   }
 
   // Oldest first, until at most `bytes` stay cached. Called under mu_.
@@ -168,8 +231,9 @@ class BlockCache final : public c10::Allocator {
   std::atomic<bool> huge_;
 };
 
-std::vector<int64_t> cpu_memory(std::optional<int64_t> cache_limit, std::optional<bool> huge_pages) {
-  return BlockCache::get().configure(cache_limit, huge_pages);
+std::vector<int64_t> cpu_memory(
+    std::optional<int64_t> cache_limit, std::optional<bool> huge_pages, bool empty) {
+  return BlockCache::get().configure(cache_limit, huge_pages, empty);
 }
 
 }  // namespace
@@ -199,6 +263,6 @@ at::Tensor zeros_cpu(
 
 TORCH_LIBRARY_FRAGMENT(kt_regroup, m) {
   // kt_regroup.cpu_memory() / empty_cpu_cache(): the output cache's state and settings.
-  m.def("_cpu_memory(int? cache_limit=None, bool? huge_pages=None) -> int[]",
+  m.def("_cpu_memory(int? cache_limit=None, bool? huge_pages=None, bool empty=False) -> int[]",
         TORCH_FN(kt_regroup::cpu_memory));
 }

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -59,6 +60,31 @@ std::vector<Segment> check_forward(
     c10::IntArrayRef out_lengths,
     bool same_dtype = true);
 
+// A forward plan that passed check_forward: its segments, whether they write every
+// output column exactly once (segments_tile_outputs), and a slot per element size where
+// a kernel keeps what it compiles from the segments (the CPU kernel's copy program).
+struct CheckedPlan {
+  std::vector<Segment> segments;
+  bool tiled = false;
+  // By log2 of the element size (1 to 16 bytes). Written only by the thread that got the
+  // plan: check_forward_plan's cache is per thread.
+  mutable std::shared_ptr<const void> compiled[5];
+};
+
+// check_forward, remembered per thread: a call whose metadata tensors are contiguous CPU
+// tensors holding the same values as a checked call's, with the same widths, runs only
+// the checks that read no data (dims, devices, dtypes, batch sizes, metadata shapes) and
+// gets that call's plan. The values are compared in full (no identity, version or
+// pointer is trusted), so the guarantee holds whatever the caller modified in between.
+std::shared_ptr<const CheckedPlan> check_forward_plan(
+    const char* op,
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths,
+    bool same_dtype = true);
+
 // The same for a backward call; `grads` may hold nullptr (None: zeros).
 std::vector<Segment> check_backward(
     const char* op,
@@ -78,6 +104,14 @@ std::vector<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList 
 // check_into_outs, then everything check_forward checks. Zeroes the outputs unless the
 // segments write every column; the kernel then copies the returned segments.
 std::vector<Segment> prepare_into(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs);
+
+// prepare_into, returning the checked plan (check_forward_plan).
+std::shared_ptr<const CheckedPlan> prepare_into_plan(
     at::TensorList pooled_embs,
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,

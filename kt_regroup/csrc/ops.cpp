@@ -17,7 +17,9 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -245,21 +247,14 @@ void check_without_data(
 
 namespace {
 
-std::vector<Segment> check_forward_impl(
+// The value checks of check_forward (after the data-free ones), as a plan.
+std::shared_ptr<CheckedPlan> check_forward_values(
     const char* op,
     at::TensorList pooled_embs,
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths,
-    bool same_dtype,
-    bool same_batch) {
-  TensorPtrs ptrs;
-  for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
-  check_tensor_list(op, "pooled_embs", ptrs, same_dtype, same_batch);
-  check_metadata(
-      op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size(),
-      pooled_embs[0].device());
+    c10::IntArrayRef out_lengths) {
   std::vector<int64_t> in_widths;
   for (const at::Tensor& t : pooled_embs) in_widths.push_back(t.size(1));
   const std::vector<int64_t> out_widths(out_lengths.begin(), out_lengths.end());
@@ -270,10 +265,125 @@ std::vector<Segment> check_forward_impl(
         in_declared[i] == in_widths[i], "kt_regroup.", op, ": in_shapes[", i, "]=",
         in_declared[i], " but pooled_embs[", i, "] has ", in_widths[i], " columns");
   }
-  return check_rows(op, permutes, in_widths, out_widths);
+  auto plan = std::make_shared<CheckedPlan>();
+  plan->segments = check_rows(op, permutes, in_widths, out_widths);
+  plan->tiled = segments_tile_outputs(plan->segments, out_lengths);
+  return plan;
 }
 
+// The per-thread cache of check_forward_plan: the last few checked plans, each with the
+// exact bytes of its metadata tensors and the widths it was checked against.
+class PlanCache {
+ public:
+  // Metadata past this many bytes is not cached (its checks dwarf nothing).
+  static constexpr size_t kMaxBytes = size_t(1) << 20;
+  static constexpr size_t kEntries = 8;
+
+  // Whether the call can be looked up: its metadata are readable CPU memory in order.
+  static bool cacheable(const at::Tensor* const (&meta)[3]) {
+    size_t bytes = 0;
+    for (const at::Tensor* t : meta) {
+      if (!t->device().is_cpu() || t->is_meta() || !t->is_contiguous() || t->is_neg() ||
+          t->is_conj()) {
+        return false;
+      }
+      bytes += t->nbytes();
+    }
+    return bytes <= kMaxBytes;
+  }
+
+  std::shared_ptr<const CheckedPlan> find(
+      const at::Tensor* const (&meta)[3], at::TensorList pooled_embs,
+      c10::IntArrayRef out_lengths) const {
+    for (const Entry& e : entries_) {
+      if (e.plan && e.matches(meta, pooled_embs, out_lengths)) return e.plan;
+    }
+    return nullptr;
+  }
+
+  void add(
+      const at::Tensor* const (&meta)[3], at::TensorList pooled_embs,
+      c10::IntArrayRef out_lengths, std::shared_ptr<const CheckedPlan> plan) {
+    Entry& e = entries_[next_];
+    next_ = (next_ + 1) % kEntries;
+    for (size_t k = 0; k < 3; ++k) {
+      const at::Tensor& t = *meta[k];
+      e.dtypes[k] = t.scalar_type();
+      e.numel[k] = t.numel();
+      const char* p = static_cast<const char*>(t.const_data_ptr());
+      e.bytes[k].assign(p, p + t.nbytes());
+    }
+    e.in_widths.clear();
+    for (const at::Tensor& t : pooled_embs) e.in_widths.push_back(t.size(1));
+    e.out_widths.assign(out_lengths.begin(), out_lengths.end());
+    e.plan = std::move(plan);
+  }
+
+  static PlanCache& get() {
+    thread_local PlanCache cache;
+    return cache;
+  }
+
+ private:
+  struct Entry {
+    c10::ScalarType dtypes[3];
+    int64_t numel[3];
+    std::vector<char> bytes[3];
+    std::vector<int64_t> in_widths, out_widths;
+    std::shared_ptr<const CheckedPlan> plan;
+
+    bool matches(
+        const at::Tensor* const (&meta)[3], at::TensorList pooled_embs,
+        c10::IntArrayRef out_lengths) const {
+      if (in_widths.size() != pooled_embs.size() ||
+          !std::equal(out_widths.begin(), out_widths.end(), out_lengths.begin(), out_lengths.end())) {
+        return false;
+      }
+      for (size_t i = 0; i < in_widths.size(); ++i) {
+        if (pooled_embs[i].size(1) != in_widths[i]) return false;
+      }
+      for (size_t k = 0; k < 3; ++k) {
+        const at::Tensor& t = *meta[k];
+        if (t.scalar_type() != dtypes[k] || t.numel() != numel[k] ||
+            (!bytes[k].empty() &&
+             std::memcmp(t.const_data_ptr(), bytes[k].data(), bytes[k].size()) != 0)) {
+          return false;
+        }
+      }
+      return true;
+    }
+  };
+  Entry entries_[kEntries];
+  size_t next_ = 0;
+};
+
 }  // namespace
+
+std::shared_ptr<const CheckedPlan> check_forward_plan(
+    const char* op,
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths,
+    bool same_dtype) {
+  TensorPtrs ptrs;
+  for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
+  check_tensor_list(op, "pooled_embs", ptrs, same_dtype);
+  check_metadata(
+      op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size(),
+      pooled_embs[0].device());
+  const at::Tensor* const meta[3] = {&permutes, &in_shapes, &out_shapes};
+  if (!PlanCache::cacheable(meta)) {
+    return check_forward_values(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  }
+  PlanCache& cache = PlanCache::get();
+  if (auto plan = cache.find(meta, pooled_embs, out_lengths)) return plan;
+  std::shared_ptr<const CheckedPlan> plan =
+      check_forward_values(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  cache.add(meta, pooled_embs, out_lengths, plan);
+  return plan;
+}
 
 std::vector<Segment> check_forward(
     const char* op,
@@ -283,8 +393,9 @@ std::vector<Segment> check_forward(
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths,
     bool same_dtype) {
-  return check_forward_impl(
-      op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, same_dtype, true);
+  return check_forward_plan(
+             op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, same_dtype)
+      ->segments;
 }
 
 std::vector<Segment> check_forward_rows(
@@ -294,8 +405,15 @@ std::vector<Segment> check_forward_rows(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths) {
-  return check_forward_impl(
-      op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, true, false);
+  // check_forward without the one-batch-size check (inputs of variable rows), uncached.
+  TensorPtrs ptrs;
+  for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
+  check_tensor_list(op, "pooled_embs", ptrs, /*same_dtype=*/true, /*same_batch=*/false);
+  check_metadata(
+      op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size(),
+      pooled_embs[0].device());
+  return check_forward_values(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths)
+      ->segments;
 }
 
 std::vector<Segment> check_backward(
@@ -399,19 +517,28 @@ std::vector<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList 
   return widths;
 }
 
-std::vector<Segment> prepare_into(
+std::shared_ptr<const CheckedPlan> prepare_into_plan(
     at::TensorList pooled_embs,
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     at::TensorList outs) {
   const std::vector<int64_t> widths = check_into_outs(pooled_embs, outs);
-  std::vector<Segment> segments = check_forward(
+  std::shared_ptr<const CheckedPlan> plan = check_forward_plan(
       "permute_multi_embedding_into", pooled_embs, permutes, in_shapes, out_shapes, widths);
-  if (!segments_tile_outputs(segments, widths)) {
+  if (!plan->tiled) {
     for (const at::Tensor& t : outs) t.zero_();
   }
-  return segments;
+  return plan;
+}
+
+std::vector<Segment> prepare_into(
+    at::TensorList pooled_embs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    at::TensorList outs) {
+  return prepare_into_plan(pooled_embs, permutes, in_shapes, out_shapes, outs)->segments;
 }
 
 bool segments_tile_outputs(const std::vector<Segment>& segments, c10::IntArrayRef out_lengths) {
