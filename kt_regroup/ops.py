@@ -300,10 +300,11 @@ def empty_cpu_cache() -> None:
 #         Tensor in_shapes, Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]
 #     permute_multi_embedding_vbe_backward(Tensor?[] grad_outputs, Tensor?[] indices,
 #         Tensor permutes, Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths,
-#         SymInt[] in_rows, ScalarType dtype) -> Tensor[]
+#         SymInt[] in_rows, ScalarType dtype) -> Tensor
 #
 # out[j][b, out_cols] = pooled_embs[i][indices[i][b], in_cols] per permute row; an input
-# whose index is None (or all, with ``indices=[]``) has one row per sample.
+# whose index is None (or all, with ``indices=[]``) has one row per sample. The backward
+# returns the input gradients flattened into one tensor, input after input.
 
 
 def _vbe_batch(op: str, tensors, indices) -> int:
@@ -336,12 +337,7 @@ def _(grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_row
                 f"{t.device} but others are on meta"
             )
     device = next((g.device for g in grad_outputs if g is not None), permutes.device)
-    buffer = torch.empty(sum(r * n for r, n in zip(in_rows, in_lengths)), dtype=dtype, device=device)
-    outs, offset = [], 0
-    for r, n in zip(in_rows, in_lengths):  # views of one allocation, as the kernels return
-        outs.append(buffer[offset:offset + r * n].view(r, n))
-        offset += r * n
-    return outs
+    return torch.empty(sum(r * n for r, n in zip(in_rows, in_lengths)), dtype=dtype, device=device)
 
 
 def permute_multi_embedding_vbe(

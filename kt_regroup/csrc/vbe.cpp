@@ -8,7 +8,9 @@
 // permute-row format of permute_multi_embedding. The backward accumulates every sample's
 // gradient into its row in sample order (a counting sort of each index, then rows owned
 // by one thread each: deterministic, no atomics), duplicated keys summed in plan order,
-// unused rows exact zeros; all input gradients are views of one allocation.
+// unused rows exact zeros. The backward op returns the input gradients as one flat
+// tensor (an op may not return aliases of one allocation); the autograd splits it into
+// per-input views.
 //
 // Schemas, checks, the CPU kernels, a portable kernel (ATen, every other device) and the
 // autograd live here; the fake kernels in kt_regroup/ops.py.
@@ -229,7 +231,7 @@ std::vector<at::Tensor> vbe_portable(
   return outs;
 }
 
-std::vector<at::Tensor> vbe_backward_portable(
+at::Tensor vbe_backward_portable(
     const OptionalTensors& grad_outputs,
     const OptionalTensors& indices,
     const at::Tensor& permutes,
@@ -258,7 +260,7 @@ std::vector<at::Tensor> vbe_backward_portable(
       dst.add_(src);
     }
   }
-  return grads;
+  return buffer;
 }
 
 // ---- CPU kernels -----------------------------------------------------------------------------
@@ -412,7 +414,7 @@ void vbe_backward_cpu_typed(
   });
 }
 
-std::vector<at::Tensor> vbe_backward_cpu(
+at::Tensor vbe_backward_cpu(
     const OptionalTensors& grad_outputs,
     const OptionalTensors& indices,
     const at::Tensor& permutes,
@@ -439,7 +441,7 @@ std::vector<at::Tensor> vbe_backward_cpu(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "vbe_backward_cpu", [&] {
     vbe_backward_cpu_typed<scalar_t>(k, grad_outs, in_rows, in_lengths, grads);
   });
-  return grads;
+  return buffer;
 }
 
 // ---- autograd --------------------------------------------------------------------------------
@@ -462,7 +464,7 @@ std::vector<at::Tensor> call_vbe(
   return op.call(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
 }
 
-std::vector<at::Tensor> call_vbe_backward(
+at::Tensor call_vbe_backward(
     const OptionalTensors& grad_outputs,
     const OptionalTensors& indices,
     const at::Tensor& permutes,
@@ -473,7 +475,7 @@ std::vector<at::Tensor> call_vbe_backward(
     c10::ScalarType dtype) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kt_regroup::permute_multi_embedding_vbe_backward", "")
-                       .typed<std::vector<at::Tensor>(
+                       .typed<at::Tensor(
                            const OptionalTensors&, const OptionalTensors&, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef,
                            c10::SymIntArrayRef, c10::ScalarType)>();
@@ -513,11 +515,19 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
     for (const at::Tensor& g : grad_outputs) {
       grads.push_back(g.defined() ? std::optional<at::Tensor>(g) : std::nullopt);
     }
-    variable_list out = call_vbe_backward(
+    const std::vector<c10::SymInt> widths = saved.at("in_lengths").toSymIntVector();
+    const std::vector<c10::SymInt> rows = saved.at("in_rows").toSymIntVector();
+    const at::Tensor flat = call_vbe_backward(
         grads, saved.at("indices").to<OptionalTensors>(), saved.at("permutes").toTensor(),
-        saved.at("in_shapes").toTensor(), saved.at("out_shapes").toTensor(),
-        saved.at("in_lengths").toSymIntVector(), saved.at("in_rows").toSymIntVector(),
+        saved.at("in_shapes").toTensor(), saved.at("out_shapes").toTensor(), widths, rows,
         saved.at("dtype").toScalarType());
+    variable_list out;  // per-input views of the one flat gradient
+    c10::SymInt offset = 0;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const c10::SymInt n = rows[i] * widths[i];
+      out.push_back(flat.narrow_symint(0, offset, n).view_symint({rows[i], widths[i]}));
+      offset = offset + n;
+    }
     out.resize(out.size() + 5);  // indices, permutes, in_shapes, out_shapes, out_lengths
     return out;
   }
@@ -550,7 +560,7 @@ TORCH_LIBRARY_FRAGMENT(kt_regroup, m) {
   m.def(
       "permute_multi_embedding_vbe_backward(Tensor?[] grad_outputs, Tensor?[] indices, "
       "Tensor permutes, Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, "
-      "SymInt[] in_rows, ScalarType dtype) -> Tensor[]");
+      "SymInt[] in_rows, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kt_regroup, CompositeExplicitAutograd, m) {
