@@ -7,7 +7,7 @@ fx tracing keeps them as single calls, and they are TorchScript-able. The helper
 """
 
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedTensor
@@ -163,6 +163,103 @@ class VariableBatchKeyedTensor(KeyedTensor):
     @_values.setter
     def _values(self, values: Optional[torch.Tensor]) -> None:
         self._expanded = values
+
+
+# --- what KTRegroupAsDict runs (kt_regroup.module) ------------------------------------
+
+
+def matches(
+    keyed_tensors: List[KeyedTensor], in_keys: List[List[str]], in_lengths: List[List[int]],
+    key_dim: int,
+) -> bool:
+    """Whether ``keyed_tensors`` have a plan's keys, widths and key_dim (the same list
+    object every step compares by identity first; tuples compare as lists)."""
+    if len(keyed_tensors) != len(in_keys) or len(in_keys) == 0:
+        return False
+    for i, kt in enumerate(keyed_tensors):
+        if kt.key_dim() != key_dim:
+            return False
+        keys = kt.keys()
+        if keys != in_keys[i] and (isinstance(keys, list) or list(keys) != in_keys[i]):
+            return False
+        lengths = kt.length_per_key()
+        if lengths != in_lengths[i] and (
+            isinstance(lengths, list) or list(lengths) != in_lengths[i]
+        ):
+            return False
+    return True
+
+
+def _check_one_dtype(values: List[torch.Tensor]) -> None:
+    for i, v in enumerate(values):
+        if v.dtype != values[0].dtype:
+            raise TypeError(
+                f"KTRegroupAsDict: input {i} is {v.dtype} but input 0 is {values[0].dtype}; "
+                "set emb_dtype to regroup them into one dtype (the cast is fused into the copy)"
+            )
+
+
+class Plan(NamedTuple):
+    """What one regroup call reads of a plan (the fields of a :class:`RegroupPlanModule`).
+
+    ``views`` (``allow_views``) holds per group ``[input, offset, width]`` for a group
+    returned as a view and ``[-1, 0, 0]`` for one the op copies; the permute tensors then
+    cover the copied groups only. Without views it is empty.
+    """
+
+    in_keys: List[List[str]]
+    in_lengths: List[List[int]]
+    key_dim: int
+    permutes: torch.Tensor
+    in_shapes: torch.Tensor
+    out_shapes: torch.Tensor
+    out_lengths: List[int]
+    views: List[List[int]]
+
+
+@torch.fx.wrap
+def regroup_with_plan(
+    keyed_tensors: List[KeyedTensor],
+    groups: List[List[str]],
+    names: List[str],
+    dtype: Optional[torch.dtype],
+    multi_device: bool,
+    plan: Plan,
+    checked: bool,
+) -> Dict[str, torch.Tensor]:
+    """The regroup with ``plan`` (``checked``: known to match the inputs), or with an
+    uncached plan where the inputs' layout differs from it."""
+    values = [kt.values() for kt in keyed_tensors]
+    if dtype is None:
+        _check_one_dtype(values)
+    permutes, in_shapes, out_shapes = plan.permutes, plan.in_shapes, plan.out_shapes
+    out_lengths, views, key_dim = plan.out_lengths, plan.views, plan.key_dim
+    if not checked and not matches(keyed_tensors, plan.in_keys, plan.in_lengths, key_dim):
+        keys, lengths, key_dim = layout(keyed_tensors, "KTRegroupAsDict")
+        permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
+            values[0], keys, lengths, groups
+        )
+        views = torch.jit.annotate(List[List[int]], [])
+    elif multi_device:
+        device = values[0].device
+        permutes = permutes.to(device, non_blocking=True)
+        in_shapes = in_shapes.to(device, non_blocking=True)
+        out_shapes = out_shapes.to(device, non_blocking=True)
+    copied = torch.jit.annotate(List[torch.Tensor], [])
+    if len(out_lengths) > 0 or len(views) == 0:
+        copied = permute(values, permutes, in_shapes, out_shapes, out_lengths, key_dim, dtype)
+    if len(views) == 0:
+        return {name: copied[j] for j, name in enumerate(names)}
+    out: Dict[str, torch.Tensor] = {}
+    k = 0
+    for j, spec in enumerate(views):
+        if spec[0] < 0:
+            out[names[j]] = copied[k]
+            k += 1
+        else:
+            view = values[spec[0]].narrow(1, spec[1], spec[2])
+            out[names[j]] = view if dtype is None else view.to(dtype)
+    return out
 
 
 @torch.jit.unused

@@ -1,19 +1,11 @@
 """``KTRegroupAsDict``: drop-in for ``torchrec.modules.regroup.KTRegroupAsDict``.
 
-The module builds its permute plan on the first forward and then calls the fused
-``torch.ops.kt_regroup.permute_multi_embedding`` every step.
-
-One route: ``forward`` refreshes a stale plan (eager only), then calls :func:`_regroup`,
-one ``torch.fx.wrap``-ed function that eager, fx, TorchScript and ``torch.compile`` all
-run. Where the plan could not be refreshed (a graph captured by fx or TorchScript, a
-cold module under ``torch.compile``), :func:`_regroup` checks the layout itself and
-computes a call whose layout differs with an uncached plan: the same values, dtype
-rules and errors in every mode (groups ``allow_views`` would return as views come back
-as copies there).
-
-The plan and everything derived from it form one immutable :class:`RegroupPlanModule`,
-swapped in with one assignment: threads sharing the module never see half of an old
-plan, and the warm path takes no lock.
+The first eager forward builds a :class:`RegroupPlanModule` (the plan of the inputs'
+layout); every call runs ``regroup_with_plan`` (kt_regroup/functional.py, an fx leaf).
+Three routes: eager with a matching plan; eager with a cold or stale one (rebuilt and
+swapped in with one assignment, so threads never see half a plan and the warm path takes
+no lock); a graph (fx, TorchScript, ``torch.compile``, ``torch.export``), where the
+module's state stays as it is and the call checks the layout itself.
 """
 
 import logging
@@ -26,126 +18,40 @@ from torchrec.modules.embedding_configs import data_type_to_dtype, dtype_to_data
 from torchrec.sparse.jagged_tensor import KeyedTensor
 from torchrec.types import CacheMixin, DataType
 
-from kt_regroup.functional import has_pooled_rows, layout, permute, regroup_rows
+from kt_regroup.functional import (
+    Plan,
+    has_pooled_rows,
+    layout,
+    matches,
+    regroup_rows,
+    regroup_with_plan,
+)
 from kt_regroup.plan import get_plan
 
 # Host work, run outside Dynamo: a layout error stays the library's own under torch.compile
 # (torch 2.11 wraps errors raised while tracing in TorchRuntimeError). torchrec, imported
 # above, has loaded Dynamo already, so this costs `import kt_regroup.module` nothing.
 _get_plan = torch.compiler.disable(get_plan)
+torch.fx.wrap("regroup_with_plan")  # a leaf of fx graphs here too (fx patches by module)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["KTRegroupAsDict", "RegroupPlanModule"]
 
 
-def _matches(
-    keyed_tensors: List[KeyedTensor], in_keys: List[List[str]], in_lengths: List[List[int]],
-    key_dim: int,
-) -> bool:
-    """Whether ``keyed_tensors`` have the keys, widths and key_dim of a plan. The same
-    key-list object every step (torchrec's EBC passes its own) compares by identity
-    first, then in C; keys or widths given as tuples compare as lists."""
-    if len(keyed_tensors) != len(in_keys) or len(in_keys) == 0:
-        return False
-    for i, kt in enumerate(keyed_tensors):
-        if kt.key_dim() != key_dim:
-            return False
-        keys = kt.keys()
-        if keys != in_keys[i] and (isinstance(keys, list) or list(keys) != in_keys[i]):
-            return False
-        lengths = kt.length_per_key()
-        if lengths != in_lengths[i] and (
-            isinstance(lengths, list) or list(lengths) != in_lengths[i]
-        ):
-            return False
-    return True
-
-
-def _check_one_dtype(values: List[torch.Tensor]) -> None:
-    for i, v in enumerate(values):
-        if v.dtype != values[0].dtype:
-            raise TypeError(
-                f"KTRegroupAsDict: input {i} is {v.dtype} but input 0 is {values[0].dtype}; "
-                "set emb_dtype to regroup them into one dtype (the cast is fused into the copy)"
-            )
-
-
-@torch.fx.wrap
-def _regroup(
-    keyed_tensors: List[KeyedTensor],
-    groups: List[List[str]],
-    names: List[str],
-    dtype: Optional[torch.dtype],
-    multi_device: bool,
-    checked: bool,
-    in_keys: List[List[str]],
-    in_lengths: List[List[int]],
-    key_dim: int,
-    permutes: torch.Tensor,
-    in_shapes: torch.Tensor,
-    out_shapes: torch.Tensor,
-    out_lengths: List[int],
-    views: List[List[int]],
-) -> Dict[str, torch.Tensor]:
-    """The regroup with a plan (``checked``: known to match the inputs), or with an
-    uncached one where the inputs' layout differs from it.
-
-    ``views`` (``allow_views``) holds per group ``[input, offset, width]`` for a group
-    returned as a view and ``[-1, 0, 0]`` for a group the op copies; the plan then covers
-    the copied groups only. Without views it is empty.
-    """
-    values = [kt.values() for kt in keyed_tensors]
-    if dtype is None:
-        _check_one_dtype(values)
-    if not checked and not _matches(keyed_tensors, in_keys, in_lengths, key_dim):
-        keys, lengths, key_dim = layout(keyed_tensors, "KTRegroupAsDict")
-        permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
-            values[0], keys, lengths, groups
-        )
-        views = torch.jit.annotate(List[List[int]], [])
-    elif multi_device:
-        device = values[0].device
-        permutes = permutes.to(device, non_blocking=True)
-        in_shapes = in_shapes.to(device, non_blocking=True)
-        out_shapes = out_shapes.to(device, non_blocking=True)
-    copied = torch.jit.annotate(List[torch.Tensor], [])
-    if len(out_lengths) > 0 or len(views) == 0:
-        copied = permute(values, permutes, in_shapes, out_shapes, out_lengths, key_dim, dtype)
-    if len(views) == 0:
-        return {name: copied[j] for j, name in enumerate(names)}
-    out: Dict[str, torch.Tensor] = {}
-    k = 0
-    for j, spec in enumerate(views):
-        if spec[0] < 0:
-            out[names[j]] = copied[k]
-            k += 1
-        else:
-            view = values[spec[0]].narrow(1, spec[1], spec[2])
-            out[names[j]] = view if dtype is None else view.to(dtype)
-    return out
-
-
 def _waited(obj):
-    """What a torchrec LazyAwaitable (a sharded EBC's output under DistributedModelParallel)
-    stands for; anything else unchanged."""
-    if "torchrec.distributed.types" in sys.modules:
-        from torchrec.distributed.types import LazyAwaitable
-
-        if isinstance(obj, LazyAwaitable):
-            return LazyAwaitable._wait_async(obj)
+    """What a torchrec LazyAwaitable (a sharded EBC's output under DMP) stands for."""
+    types = sys.modules.get("torchrec.distributed.types")
+    if types is not None and isinstance(obj, types.LazyAwaitable):
+        return types.LazyAwaitable._wait_async(obj)
     return obj
 
 
 class RegroupPlanModule(torch.nn.Module):
-    """The cached plan of one input layout: what :class:`KTRegroupAsDict` swaps in.
+    """The plan of one input layout, its tensors as non-persistent buffers (they follow
+    ``.to()`` and DMP's device moves, and stay out of ``state_dict``)."""
 
-    Owns the plan's tensors as non-persistent buffers (they follow ``.to()`` and
-    DistributedModelParallel's device moves, and stay out of ``state_dict``). Nothing
-    changes it after construction except :meth:`set_device`.
-    """
-
-    __jit_ignored_attributes__ = ["_host"]
+    __jit_ignored_attributes__ = ["_host", "_warm"]
 
     in_keys: List[List[str]]
     in_lengths: List[List[int]]
@@ -162,8 +68,7 @@ class RegroupPlanModule(torch.nn.Module):
         super().__init__()
         self.in_keys, self.in_lengths, self.key_dim = [], [], 1
         self.out_lengths, self.views = [], []
-        permutes = torch.empty(0, 6, dtype=torch.int32)
-        in_shapes = out_shapes = torch.empty(0, dtype=torch.int32)
+        tensors = (torch.empty(0, 6, dtype=torch.int32),) + (torch.empty(0, dtype=torch.int32),) * 2
         device = torch.device("cpu")
         if keyed_tensors is not None and groups is not None:
             keys, lengths, self.key_dim = layout(keyed_tensors, "KTRegroupAsDict")
@@ -176,32 +81,37 @@ class RegroupPlanModule(torch.nn.Module):
                     self.views = [[-1, 0, 0] if s is None else list(s) for s in specs]
                     plan = plan.restricted([j for j, s in enumerate(specs) if s is None])
             self.out_lengths = list(plan.out_lengths)
-            permutes, in_shapes, out_shapes = plan.tensors()
+            tensors = plan.tensors()
             device = keyed_tensors[0].values().device
         # The truth on the host, for _apply; the buffers follow the module's device.
-        self._host = (permutes, in_shapes, out_shapes)
-        self.register_buffer("_permutes", permutes.to(device, copy=True), persistent=False)
-        self.register_buffer("_in_shapes", in_shapes.to(device, copy=True), persistent=False)
-        self.register_buffer("_out_shapes", out_shapes.to(device, copy=True), persistent=False)
+        self._host = tensors
+        for name, t in zip(_BUFFERS, tensors):
+            self.register_buffer(name, t.to(device, copy=True), persistent=False)
+        self._warm = self.plan()  # what the eager route reads
+
+    def plan(self) -> Plan:
+        return Plan(
+            self.in_keys, self.in_lengths, self.key_dim, self._permutes, self._in_shapes,
+            self._out_shapes, self.out_lengths, self.views,
+        )
 
     def matches(self, keyed_tensors: List[KeyedTensor]) -> bool:
         """Whether this plan serves ``keyed_tensors``: the keys and widths it was built
         for, and buffers that hold values (not meta) wherever the data is."""
         return (
             isinstance(keyed_tensors, (list, tuple))
-            and _matches(keyed_tensors, self.in_keys, self.in_lengths, self.key_dim)
-            and (not self._buffers["_permutes"].is_meta or keyed_tensors[0].values().is_meta)
+            and matches(keyed_tensors, self.in_keys, self.in_lengths, self.key_dim)
+            and (not self._warm.permutes.is_meta or keyed_tensors[0].values().is_meta)
         )
 
     def _apply(self, fn, recurse=True):
-        # Device moves keep the plan; to_empty() would leave garbage in its buffers, and
-        # .type() would cast them: the moved buffers are rebuilt from the host copy wherever
-        # their values or dtypes differ.
+        # to_empty() and .type() would spoil the plan: buffers are rebuilt from the host copy
         super()._apply(fn, recurse)
-        for name, host in zip(("_permutes", "_in_shapes", "_out_shapes"), self._host):
+        for name, host in zip(_BUFFERS, self._host):
             buf = self._buffers[name]
             if not buf.is_meta and (buf.dtype != host.dtype or not torch.equal(buf.cpu(), host)):
                 self._buffers[name] = host.to(buf.device, copy=True)
+        self._warm = self.plan()
         return self
 
     @torch.jit.export
@@ -209,11 +119,17 @@ class RegroupPlanModule(torch.nn.Module):
         self._permutes = self._permutes.to(device)
         self._in_shapes = self._in_shapes.to(device)
         self._out_shapes = self._out_shapes.to(device)
+        if not torch.jit.is_scripting():
+            self._warm = self.plan()
 
 
-def _is_fx_tracing() -> bool:
-    """True under torchrec's tracer and plain ``torch.fx.symbolic_trace``."""
-    return _fx_trace._is_fx_tracing_flag and not torch.compiler.is_compiling()
+_BUFFERS = ("_permutes", "_in_shapes", "_out_shapes")
+
+
+def _in_graph() -> bool:
+    """True under fx tracing (torchrec's tracer, ``torch.fx.symbolic_trace``) and
+    ``torch.compile`` / ``torch.export``."""
+    return _fx_trace._is_fx_tracing_flag or torch.compiler.is_compiling()
 
 
 class KTRegroupAsDict(torch.nn.Module, CacheMixin):
@@ -227,11 +143,9 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         emb_dtype: optional dtype (torchrec ``DataType`` or ``torch.dtype``) of the outputs.
             Without it, inputs of mixed dtypes are a ``TypeError``.
         multi_device: move the cached plan to the inputs' device on every call.
-        allow_views: opt-in zero-copy. A group that is one contiguous run of columns of
-            one input (e.g. all keys of one KeyedTensor, in order) comes back as a view
-            of that input (``values.narrow(1, offset, width)``) instead of a copy. Such
-            outputs alias the input and are not contiguous. Off by default (torchrec's
-            module always returns fresh tensors).
+        allow_views: opt-in zero-copy: a group that is one contiguous run of columns of
+            one input comes back as a view of it (``values.narrow(1, offset, width)``),
+            aliasing the input. Off by default (torchrec's module returns fresh tensors).
 
     Example::
 
@@ -241,8 +155,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         {'user': torch.Size([2, 8]), 'item': torch.Size([2, 4])}
     """
 
-    # torchrec's form of emb_dtype, for torchrec's tools (its IR serializer); the forward
-    # uses the torch dtype, _dtype.
+    # _emb_dtype: torchrec's form, for its tools (the IR serializer); the forward uses _dtype
     __jit_ignored_attributes__ = ["_emb_dtype"]
     __jit_unused_properties__ = ["_is_inited"]
 
@@ -307,38 +220,21 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         return plan
 
     def forward(self, keyed_tensors: List[KeyedTensor]) -> Dict[str, torch.Tensor]:
-        """
-        Args:
-            keyed_tensors: the KeyedTensors to regroup.
-
-        Returns:
-            One tensor per group, keyed by the group's name.
-        """
+        """One tensor per group of ``keyed_tensors``, keyed by the group's name."""
         plan = self._plan  # read once: other threads may swap in their own plans
-        if not torch.jit.is_scripting():
-            if not _is_fx_tracing():
-                if has_pooled_rows(keyed_tensors):  # variable-batch: from the pooled rows
-                    return dict(zip(self._keys, regroup_rows(keyed_tensors, self._groups, self._dtype)))
-                checked = plan.matches(keyed_tensors)
-                # Under torch.compile the module stays as it is (its state is guarded):
-                # _regroup computes a cold call in the graph.
-                if not checked and not torch.compiler.is_compiling():
-                    plan = self._refresh(keyed_tensors)
-                    checked = True
-                # The same call as below; buffers read from the dict (a serving call
-                # saves ~2 us over three nn.Module attribute lookups).
-                buffers = plan._buffers
-                return _regroup(
-                    keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device,
-                    checked, plan.in_keys, plan.in_lengths, plan.key_dim, buffers["_permutes"],
-                    buffers["_in_shapes"], buffers["_out_shapes"], plan.out_lengths, plan.views,
-                )
-        # fx tracing (the buffers become get_attr nodes) and TorchScript: the layout is
-        # checked on every call.
-        return _regroup(
-            keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device, False,
-            plan.in_keys, plan.in_lengths, plan.key_dim, plan._permutes, plan._in_shapes,
-            plan._out_shapes, plan.out_lengths, plan.views,
+        if not torch.jit.is_scripting() and not _in_graph():  # eager
+            if has_pooled_rows(keyed_tensors):  # variable-batch: from the pooled rows
+                return dict(zip(self._keys, regroup_rows(keyed_tensors, self._groups, self._dtype)))
+            if not plan.matches(keyed_tensors):  # cold or stale: a new plan, swapped in
+                plan = self._refresh(keyed_tensors)
+            return regroup_with_plan(
+                keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device,
+                plan._warm, True,
+            )
+        # a graph: the module's state stays; a differing layout is computed uncached
+        return regroup_with_plan(
+            keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device,
+            plan.plan(), False,
         )
 
     @torch.jit.export

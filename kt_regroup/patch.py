@@ -56,7 +56,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from kt_regroup.functional import VariableBatchKeyedTensor, regroup, regroup_as_dict
 from kt_regroup.keyed_tensor_pytree import register_keyed_tensor_pytree
-from kt_regroup.module import KTRegroupAsDict, _is_fx_tracing
+from kt_regroup.module import KTRegroupAsDict, _in_graph
 from kt_regroup.ops import kt_regroup_arguments
 from kt_regroup.torchrec_ir import register_ir_serializer
 
@@ -126,7 +126,7 @@ def _kt_regroup_arguments(
 
 
 def _rows_wanted(features: Any) -> bool:
-    if torch.jit.is_scripting() or _is_fx_tracing() or torch.compiler.is_compiling():
+    if torch.jit.is_scripting() or _in_graph():
         return False
     return (
         isinstance(features, KeyedJaggedTensor)

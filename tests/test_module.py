@@ -257,7 +257,7 @@ def _assert_graph_calls_regroup(gm):
         for n in gm.graph.nodes
         if n.op == "call_function"
     }
-    assert "_regroup" in names, names
+    assert "regroup_with_plan" in names, names
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["before-first-forward", "after-first-forward"])
