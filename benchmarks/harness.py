@@ -15,6 +15,8 @@ SEED = dict(n_dense=20, dim_dense=64, n_sparse=1000, dim_sparse=128)
 QUICK = dict(n_dense=3, dim_dense=8, n_sparse=24, dim_sparse=16)
 # CPU serving: one dense key x 64 and 26 sparse keys x 16 (864 segments at B=32).
 SERVING = dict(n_dense=1, dim_dense=64, n_sparse=26, dim_sparse=16)
+# Narrow keys: 4 dense keys x 16 and 96 sparse keys x 8 (3,200 segments at B=32).
+NARROW = dict(n_dense=4, dim_dense=16, n_sparse=96, dim_sparse=8)
 
 
 def make_layout(n_dense: int, dim_dense: int, n_sparse: int, dim_sparse: int, *,

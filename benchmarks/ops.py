@@ -15,6 +15,7 @@ replays of a CUDA graph of one call (kernel time alone); elsewhere they are None
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Dict, List
 
 import torch
@@ -36,7 +37,7 @@ MODES = ("forward", "forward+backward, ones", "forward+backward, expanded")
 DEVICE_BATCH = 10  # calls (or graph replays) between two CUDA events
 
 
-def _providers(keys, lengths, groups, kts, expected, backward) -> Dict[str, Callable]:
+def _providers(keys, lengths, groups, kts, expected, backward, every) -> Dict[str, Callable]:
     from torchrec.modules.regroup import KTRegroupAsDict as TorchrecKTRegroupAsDict
     from torchrec.sparse.jagged_tensor import KeyedTensor, _regroup_keyed_tensors
 
@@ -56,6 +57,8 @@ def _providers(keys, lengths, groups, kts, expected, backward) -> Dict[str, Call
         "torchrec.KeyedTensor.regroup": lambda: KeyedTensor.regroup(kts, groups),
         FBGEMM: lambda: list(peer(kts).values()),
     }
+    if not every:  # the default run: seconds a call on CPU, and in the step's FBGEMM row
+        del fns["torchrec.KeyedTensor.regroup"]
     if not backward:  # its outputs are touched here, before any timing
         warm = [torch.zeros_like(e) for e in expected]
         detached = [v.detach() for v in values]
@@ -68,8 +71,11 @@ def _providers(keys, lengths, groups, kts, expected, backward) -> Dict[str, Call
     return fns
 
 
-def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scattered",
-        dtype: str = "float32") -> Dict[str, object]:
+def run(*, quick: bool, full: bool = False, seed: int = 0, device: str = "cpu",
+        layout: str = "scattered", dtype: str = "float32") -> Dict[str, object]:
+    """The op table; the default run: no duplicates, forward and forward+backward (ones),
+    no ``KeyedTensor.regroup`` row; ``full`` and ``quick``: every mode and row, with and
+    without duplicate keys."""
     from torchrec.sparse.jagged_tensor import KeyedTensor, _regroup_keyed_tensors
 
     import kt_regroup
@@ -77,14 +83,17 @@ def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scatt
     sizes, batch, rounds = (QUICK, 64, 2) if quick else (SEED, 1024, 7)
     cuda = torch.device(device).type == "cuda"
     records, notes = [], {}
-    for dup in (False, True):
+    every = quick or full
+    for dup in (False, True) if every else (False,):
         keys, lengths, groups = make_layout(**sizes, scattered=layout == "scattered",
                                             duplicates=dup, seed=seed)
         n_segments = segments(kt_regroup.get_plan(keys, lengths, groups))
         gen = torch.Generator().manual_seed(seed)
         base = [torch.randn(batch, sum(w), generator=gen).to(device, getattr(torch, dtype))
                 for w in lengths]
-        for mode in MODES:
+        for mode in MODES if every else MODES[:2]:
+            print(f"[bench] ops: {mode}{', duplicates' if dup else ''}", file=sys.stderr,
+                  flush=True)
             backward = mode != "forward"
             values = [v.clone().requires_grad_(backward) for v in base]
             kts = [KeyedTensor(keys=k, length_per_key=w, values=v)
@@ -97,7 +106,7 @@ def run(*, quick: bool, seed: int = 0, device: str = "cpu", layout: str = "scatt
                     else torch.ones(e.shape, device=device, dtype=e.dtype) for e in expected]
             want_grads = (torch.autograd.grad(_regroup_keyed_tensors(kts, groups), values, ones)
                           if backward else None)
-            fns = _providers(keys, lengths, groups, kts, expected, backward)
+            fns = _providers(keys, lengths, groups, kts, expected, backward, every)
             calls = {n: _with_backward(f, values, ones if backward and not n.startswith(
                 "limit") else None) for n, f in fns.items()}
             checks, peaks = {}, {}

@@ -1,7 +1,11 @@
 """``python -m benchmarks.regroup``: kt_regroup where users run it (``make bench``).
 
-Sections: ``step`` (a training step, under each allocator), ``serving`` (a deployed
-model per request, from Python and C++), ``ops`` (the op alone). See benchmarks/README.md.
+Sections: ``step`` (a training step), ``serving`` (a deployed model per request), ``ops``
+(the op alone), at the seed's sizes. The default run takes about 5 minutes on 2 cores:
+the step under glibc, one variant; serving eager and AOTInductor; the op forward and
+forward+backward. ``--full`` (about 30 minutes) adds every allocator and variant, the
+duplicate-key and stride-0 cases, TorchScript and the C++ predictor; ``--quick`` is the
+smoke run of ``make test`` (toy sizes). See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -63,8 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--section", type=_csv_of(SECTIONS), default=list(SECTIONS),
                    help="comma-separated, of: step, serving, ops (default: all)")
-    p.add_argument("--quick", action="store_true",
-                   help="small sizes and few samples: the smoke run of make test")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="small sizes and few samples: the smoke run of make test")
+    size.add_argument("--full", action="store_true",
+                      help="every allocator, variant and form (TorchScript, C++): ~30 min")
     p.add_argument("--output", default="bench_results", help="directory of results.json, "
                    "results.md and step.png (default bench_results)")
     p.add_argument("--seed", type=int, default=0, help="seed of the key-to-group draw")
@@ -83,20 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LAYOUT[+dup][+sum], comma-separated; LAYOUT = scattered (keys in "
                    "random order in each group) or seed (input order); +dup: one duplicate "
                    "key per group; +sum: loss = sum(out.sum()) (stride-0 gradients) instead "
-                   "of the linear over-arch (default: scattered,seed,scattered+dup,"
-                   "scattered+sum; quick: scattered,scattered+dup+sum), under the first "
-                   "allocator; the others run the first variant")
+                   "of the linear over-arch (default: scattered; full: scattered,seed,"
+                   "scattered+dup,scattered+sum; quick: scattered,scattered+dup+sum), under "
+                   "the first allocator; the others run the first variant")
     s.add_argument("--rows", type=_csv, default=None, help="step rows to run (substrings "
-                   "of the row names; default all)")
+                   "of the row names; default all but KeyedTensor.regroup; full and quick: all)")
     s.add_argument("--steps", type=int, default=None, help="timed steps per row after one "
                    "warm-up step, interleaved (default 7; quick 2)")
     s.add_argument("--fbgemm-steps", type=int, default=None,
                    help="timed steps of the FBGEMM row, seconds each on CPU, in the first "
                    "variant under the first allocator only (default 3; quick 1; 0 = none)")
     s.add_argument("--table-rows", type=int, default=16, help="rows of each embedding table")
-    s.add_argument("--allocators", type=_csv_of(ALLOCATORS), default=list(ALLOCATORS),
+    s.add_argument("--allocators", type=_csv_of(ALLOCATORS), default=None,
                    help="glibc, jemalloc, tcmalloc (LD_PRELOAD): one child process each "
-                   "(default all; a missing library is reported and skipped)")
+                   "(default glibc; full and quick: all; a missing library is reported and "
+                   "skipped)")
     s.add_argument("--child-env", action="append", default=[], metavar="NAME=VALUE",
                    type=_env_var,
                    help="extra environment of the step's child processes, e.g. "
@@ -136,10 +144,12 @@ def _step_child(args) -> List[dict]:
 
     sizes = harness.QUICK if args.quick else harness.SEED
     variants = args.variants or (["scattered", "scattered+dup+sum"] if args.quick else
-                                 ["scattered", "seed", "scattered+dup", "scattered+sum"])
+                                 ["scattered", "seed", "scattered+dup", "scattered+sum"]
+                                 if args.full else ["scattered"])
     if args._child != "first":  # allocators after the first: the headline variant
         variants = variants[:1]
-    rows = [r for r in step.ROWS if not args.rows or any(s in r for s in args.rows)]
+    rows = [r for r in step.ROWS if any(s in r for s in args.rows)] if args.rows else [
+        r for r in step.ROWS if args.quick or args.full or r != step.KT_REGROUP]
     fbgemm = args.fbgemm_steps if args.fbgemm_steps is not None else (1 if args.quick else 3)
     records = []
     for i, variant in enumerate(variants):  # the first variant: every row; then SHORT_ROWS
@@ -161,7 +171,8 @@ def run_step_section(args, argv: List[str], out_dir: str) -> Dict[str, object]:
     """The step section in one child process per allocator (``LD_PRELOAD``)."""
     records, notes = [], []
     extra = dict(kv.split("=", 1) for kv in args.child_env)
-    for i, name in enumerate(args.allocators):
+    allocators = args.allocators or (list(ALLOCATORS) if args.quick or args.full else ["glibc"])
+    for i, name in enumerate(allocators):
         lib, lib_env = ALLOCATORS[name]
         env = {**os.environ, **extra}
         if lib:
@@ -210,11 +221,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     from benchmarks import ops, serving
 
     run = {"step": lambda: run_step_section(args, argv, args.output),
-           "serving": lambda: serving.run(quick=args.quick, out_dir=args.output),
-           "ops": lambda: ops.run(quick=args.quick, seed=args.seed, device=args.device,
-                                  layout=args.ops_layout, dtype=args.ops_dtype)}
-    for section in (s for s in SECTIONS if s in args.section):
+           "serving": lambda: serving.run(quick=args.quick, full=args.full, out_dir=args.output),
+           "ops": lambda: ops.run(quick=args.quick, full=args.full, seed=args.seed,
+                                  device=args.device, layout=args.ops_layout,
+                                  dtype=args.ops_dtype)}
+    todo = [s for s in SECTIONS if s in args.section]
+    for i, section in enumerate(todo):
         t = time.perf_counter()
+        print(f"[bench] section {i + 1}/{len(todo)}: {section} ({t - t0:.0f} s in; "
+              f"{'about 30 min' if args.full else 'seconds' if args.quick else 'about 5 min'}"
+              " in all)", file=sys.stderr, flush=True)
         results["sections"][section] = {**run[section](), "wall_s": time.perf_counter() - t}
     results["wall_s"] = time.perf_counter() - t0
     results["machine"]["load_average_end"] = os.getloadavg()[0]
@@ -223,11 +239,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.output, "results.md"), "w") as f:
         f.write(text + "\n")
-    note = report.step_png(results, os.path.join(args.output, "step.png"))
+    png = os.path.join(args.output, "step.png")
+    note = report.step_png(results, png)
     print(text + (f"\n{note}" if note else ""))
     print(f"\nwall time {results['wall_s']:.0f} s (" + ", ".join(
-        f"{k} {v['wall_s']:.0f} s" for k, v in results["sections"].items())
-        + f"); results in {args.output}/")
+        f"{k} {v['wall_s']:.0f} s" for k, v in results["sections"].items()) + ")")
+    print(f"results: {os.path.join(args.output, 'results.json')} (JSON), "
+          f"{os.path.join(args.output, 'results.md')} (these tables)"
+          + ("" if note or "step" not in results["sections"] else f", {png} (step chart)"))
     return 0
 
 

@@ -34,7 +34,8 @@ TABLES: Dict[str, Tuple[Callable[[dict], str], Columns]] = {
               ("share / fallback", lambda r: _x(r["share_vs_fallback"])),
               ("share / copy limit", lambda r: _x(r["share_vs_copy_limit"])),
               ("n", lambda r: str(r["n"])), ("check", lambda r: r["check"])]),
-    "serving": (lambda r: f"serving, {r['form']}, B={r['batch_size']} "
+    "serving": (lambda r: f"serving, {r['form']}, {r.get('layout', 'serving')} layout, "
+                f"B={r['batch_size']} "
                 f"({r['keys']} keys, {r['segments']} segments), {r['threads']} threads",
                 [("row", lambda r: r["provider"]), ("per call us", lambda r: _us(r["call_s"])),
                  ("/ clone", lambda r: _x(r["vs_clone"])), ("calls x n", lambda r: r["calls"]),

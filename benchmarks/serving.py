@@ -1,25 +1,32 @@
 """Serving as deployed: the over-arch-input model of examples/deploy.py, per request.
 
-The model builds two ``KeyedTensor`` s from its two input tensors and regroups them
-(27 keys, as CPU serving layouts go). Forms: Python eager; traced with torchrec's fx
-tracer, scripted, saved and loaded (``torch.jit.load``); an AOTInductor package
-(``aoti_load_package``); the scripted file called from C++ (examples/cpp_predictor,
-built with cmake when cmake is there). Rows: kt_regroup, torchrec's module in the same
-form, and a clone of the outputs; in eager also the module on ready KeyedTensors and
-the bare op, to show what the module adds.
+The model builds two ``KeyedTensor`` s from its two input tensors and regroups them, in
+two layouts: ``serving`` (27 keys) and ``narrow`` (100 keys of 8-16 columns). Forms:
+Python eager; an AOTInductor package (``aoti_load_package``); with ``--full`` also traced
+with torchrec's fx tracer, scripted, saved and loaded (``torch.jit.load``), and the
+scripted file called from C++ (examples/cpp_predictor, built with cmake when cmake is
+there). Rows: kt_regroup, torchrec's module in the same form, and a clone of the outputs;
+in eager also the module on ready KeyedTensors, the bare op and
+``permute_multi_embedding_into`` with warm outputs, to show what each layer adds.
 """
 
 import os
 import shutil
 import subprocess
+import sys
 from typing import Callable, Dict, List, Tuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from benchmarks.harness import SERVING, interleaved, make_layout, median, segments
+from benchmarks.harness import NARROW, SERVING, interleaved, make_layout, median, segments
 
 KT, TORCHREC, CLONE = "kt_regroup", "torchrec.KTRegroupAsDict [fbgemm]", "clone of the outputs"
+READY = "kt_regroup.KTRegroupAsDict (ready KeyedTensors)"
+BARE = "kt_regroup op (bare)"
+INTO = "kt_regroup op, permute_multi_embedding_into (warm outputs)"
+# The serving layout (27 keys) and a narrow-key one, as CPU serving layouts go.
+LAYOUTS = {"serving": SERVING, "narrow": NARROW}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -133,26 +140,37 @@ def _build(form: str, model: torch.nn.Module, example: List[torch.Tensor], path:
     return path + ".pt" if form == "c++ scripted" else scripted
 
 
-def run(*, quick: bool, out_dir: str) -> Dict[str, object]:
+def run(*, quick: bool, full: bool = False, out_dir: str) -> Dict[str, object]:
+    """Both layouts at B=32 and B=512. Forms: eager and AOTInductor (default); eager and
+    scripted (``quick``); eager, scripted, AOTInductor and C++ (``full``)."""
+    exe, why = _predictor(out_dir) if full else (None, None)
+    notes = [why] if why else []
+    forms = (["eager", "scripted"] if quick else ["eager"] + (["scripted"] if full else [])
+             + ["aoti"] + (["c++ scripted"] if exe else []))
+    records = []
+    for name, sizes in LAYOUTS.items():
+        records += _run_layout(name, sizes, forms, quick, exe, out_dir)
+    return {"records": records, "notes": notes}
+
+
+def _run_layout(layout, sizes, forms, quick, exe, out_dir) -> List[dict]:
     import kt_regroup
 
-    keys, lengths, groups = make_layout(**SERVING, scattered=True, duplicates=False)
+    keys, lengths, groups = make_layout(**sizes, scattered=True, duplicates=False)
     plan = kt_regroup.get_plan(keys, lengths, groups)
     models = {**_models(keys, lengths, groups), CLONE: CloneOutputs()}
     rounds, target = (2, 0.002) if quick else (7, 0.05)  # seconds of calls per sample
-    exe, why = (None, "--quick: no AOTInductor or C++ rows") if quick else _predictor(out_dir)
-    notes = [why] if why else []
-    forms = ["eager", "scripted"] + ([] if quick else ["aoti"]) + (["c++ scripted"] if exe else [])
     with torch.inference_mode():
         outputs = {b: [t.clone() for t in models[KT](*_inputs(lengths, b))] for b in (32, 512)}
     built: Dict[str, Dict[str, object]] = {f: {} for f in forms}
     errors: Dict[str, Dict[str, str]] = {f: {} for f in forms}
     for form in forms:  # each model in each form once: every batch size calls it
+        print(f"[bench] serving: {layout} layout, building {form}", file=sys.stderr, flush=True)
         for name, model in models.items():
             example = outputs[32] if name == CLONE else _inputs(lengths, 32)
             try:
                 built[form][name] = _build(form, model, example, os.path.join(
-                    out_dir, f"serving_{name.split('.')[0].split()[0]}"))
+                    out_dir, f"serving_{layout}_{name.split('.')[0].split()[0]}"))
             except Exception as e:  # noqa: BLE001  (a form a peer lacks: reported)
                 errors[form][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     records = []
@@ -165,21 +183,22 @@ def run(*, quick: bool, out_dir: str) -> Dict[str, object]:
                        for n, f in built[form].items()}
             else:
                 fns = {n: (lambda f=f, a=args[n]: f(*a)) for n, f in built[form].items()}
-            if form == "eager":  # what the module adds to the bare op
+            if form == "eager":  # what the module adds to the bare op, and to _into
                 ready = [KeyedTensor(keys=k, length_per_key=w, values=v)
                          for k, w, v in zip(keys, lengths, inputs)]
                 module, tensors = models[KT].regroup, plan.tensors()
-                op = torch.ops.kt_regroup.permute_multi_embedding
-                fns["kt_regroup.KTRegroupAsDict (ready KeyedTensors)"] = (
-                    lambda m=module, r=ready: tuple(m(r).values()))
-                fns["kt_regroup op (bare)"] = (
-                    lambda i=inputs, t=tensors, op=op: op(i, *t, list(plan.out_lengths)))
+                warm = [torch.zeros_like(t) for t in want]
+                fns[READY] = lambda m=module, r=ready: tuple(m(r).values())
+                fns[BARE] = lambda i=inputs, t=tensors: torch.ops.kt_regroup.permute_multi_embedding(
+                    i, *t, list(plan.out_lengths))
+                fns[INTO] = lambda i=inputs, t=tensors, w=warm: (
+                    torch.ops.kt_regroup.permute_multi_embedding_into(i, *t, w), w)[1]
             records += _time_form(form, batch, fns, dict(errors[form]), want, rounds, target,
                                   exe)
     for r in records:
-        r.update(keys=sum(len(k) for k in keys), segments=segments(plan),
+        r.update(layout=layout, keys=sum(len(k) for k in keys), segments=segments(plan),
                  threads=torch.get_num_threads())
-    return {"records": records, "notes": notes}
+    return records
 
 
 def _time_form(form, batch, fns, errors, want, rounds, target, exe) -> List[dict]:

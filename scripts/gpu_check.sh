@@ -372,7 +372,7 @@ fi
 # The one place that names the benchmark's command line: benchmarks/regroup.py's op section,
 # once per layout and dtype, each writing results.json and results.md into the folder given.
 bench_command() {  # LAYOUT DTYPE OUTPUT_DIR -> BENCH (an array)
-  local args=(--device cuda)
+  local args=(--device cuda --full)  # every mode, with and without duplicate keys
   [ "$DRY" = 1 ] && args=(--device cpu --quick)
   BENCH=("$PY" -m benchmarks.regroup --section ops "${args[@]}" --ops-layout "$1"
          --ops-dtype "$2" --output "$3")

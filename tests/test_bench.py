@@ -45,8 +45,11 @@ def test_writes_json_markdown_and_one_png(quick):
     with open(out / "results.md") as f:
         table = f.read()
     assert table.strip() in stdout
+    last = stdout.rstrip().splitlines()[-1]  # where the results went
+    assert last.startswith("results: ") and str(out / "results.json") in last
+    assert str(out / "step.png") in last
     assert "### training step, scattered" in table and "| row | step ms |" in table
-    assert "### serving, scripted, B=32" in table and "### op alone, forward," in table
+    assert "### serving, scripted, narrow layout, B=32" in table and "### op alone, forward," in table
 
 
 def test_step_rows_under_each_allocator(quick):
@@ -87,16 +90,21 @@ def test_step_rows_under_each_allocator(quick):
 def test_serving_forms_and_rows(quick):
     data, _, _ = quick
     records = data["sections"]["serving"]["records"]
-    cells = {(r["form"], r["batch_size"]) for r in records}
-    assert cells == {(f, b) for f in ("eager", "scripted") for b in (32, 512)}
-    for form, batch in cells:
-        rows = {r["provider"]: r for r in records if (r["form"], r["batch_size"]) == (form, batch)}
-        assert {serving.KT, serving.TORCHREC, serving.CLONE} <= set(rows)
+    cells = {(r["layout"], r["form"], r["batch_size"]) for r in records}
+    assert cells == {(lay, f, b) for lay in serving.LAYOUTS for f in ("eager", "scripted")
+                     for b in (32, 512)}
+    for layout, form, batch in cells:
+        rows = {r["provider"]: r for r in records
+                if (r["layout"], r["form"], r["batch_size"]) == (layout, form, batch)}
+        want = {serving.KT, serving.TORCHREC, serving.CLONE}
+        if form == "eager":  # what each layer adds: the module on ready inputs, op, _into
+            want |= {serving.READY, serving.BARE, serving.INTO}
+        assert want <= set(rows)
         assert rows[serving.CLONE]["vs_clone"] == pytest.approx(1.0)
         for r in rows.values():
-            assert r["check"] == "ok", (form, batch, r["provider"], r["check"])
+            assert r["check"] == "ok", (layout, form, batch, r["provider"], r["check"])
             assert r["call_s"] > 0 and r["vs_clone"] > 0
-        assert rows[serving.KT]["keys"] == 27
+        assert rows[serving.KT]["keys"] == {"serving": 27, "narrow": 100}[layout]
 
 
 def test_op_table_every_mode_and_provider(quick):
@@ -155,6 +163,12 @@ def test_layouts_are_seeded_and_cover_every_key():
     dup = make_layout(**SEED, scattered=True, duplicates=True)[2]
     assert [g[:-1] for g in dup] == scattered
     assert make_layout(**SEED, scattered=True, duplicates=True)[2] == dup
+
+
+def test_quick_and_full_are_exclusive():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.regroup", "--quick", "--full"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--full" in proc.stderr and "--quick" in proc.stderr
 
 
 def test_bad_section_is_a_clear_error():
