@@ -91,8 +91,9 @@ def test_aoti_package_runs_with_only_the_library(saved):
 
 @pytest.mark.parametrize("name", ["model.pt", "cold.pt"], ids=["warm-plan", "traced-cold"])
 def test_torchscript_runs_with_only_the_library(saved, name):
-    # (c) the legacy TorchScript file, warm: the graph holds the plan and calls permute_multi_embedding; cold: it calls
-    # regroup_keyed_tensor, whose plan is built by the C++ kt_regroup_arguments.
+    # (c) the legacy TorchScript file, traced warm (the plan in the graph) or cold (a layout
+    # the graph does not hold): either way the graph calls the C++ kt_regroup_arguments
+    # where the layout differs, then permute_multi_embedding.
     batch = 7
     torch.save(deploy.example_inputs(batch), saved / "inputs.pt")
     proc = _run_without_python_packages(
