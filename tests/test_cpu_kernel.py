@@ -829,19 +829,21 @@ def test_streaming_stores_past_32mib_match_the_oracle(dtype):
 # Every width from 1 to 130 columns, split over two inputs and shuffled into three groups,
 # with keys used twice: copies of every byte width the program has a fixed move for, and
 # of the widths around them.
-def _narrow_layout():
+# Also a serving-sized row (widths 1-40: 3.3 KB in float32): rows that stay in L1.
+def _narrow_layout(top=131):
     import random
 
-    groups = [[f"w{w}" for w in range(1, 131) if w % 3 == g] for g in range(3)]
+    groups = [[f"w{w}" for w in range(1, top) if w % 3 == g] for g in range(3)]
     for g, group in enumerate(groups):
         random.Random(g).shuffle(group)
         group += group[:3]  # duplicated keys
     return SMALL_LAYOUT._replace(
-        keys=[[f"w{w}" for w in range(1, 131, 2)], [f"w{w}" for w in range(2, 131, 2)]],
-        lengths=[list(range(1, 131, 2)), list(range(2, 131, 2))], groups=groups)
+        keys=[[f"w{w}" for w in range(1, top, 2)], [f"w{w}" for w in range(2, top, 2)]],
+        lengths=[list(range(1, top, 2)), list(range(2, top, 2))], groups=groups)
 
 
 NARROW_LAYOUT = _narrow_layout()
+NARROW_LAYOUTS = [NARROW_LAYOUT, _narrow_layout(41)]
 ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
               torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
               torch.complex128]
@@ -867,11 +869,12 @@ def _same_bits(got, want):
 @needs_cpu_kernel
 @pytest.mark.parametrize("batch", [0, 1, 3, 32, 513])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_ids)
-def test_narrow_widths_copy_every_bit(batch, dtype):
+@pytest.mark.parametrize("layout", NARROW_LAYOUTS, ids=["1-130", "1-40"])
+def test_narrow_widths_copy_every_bit(batch, dtype, layout):
     gen = torch.Generator().manual_seed(batch)
-    args = _metadata(NARROW_LAYOUT, coalesced=False)
+    args = _metadata(layout, coalesced=False)
     for pad in (0, 5):  # contiguous rows, and row strides past the width
-        values = [_random_bits(batch, w, dtype, gen, pad) for w in NARROW_LAYOUT.in_widths]
+        values = [_random_bits(batch, w, dtype, gen, pad) for w in layout.in_widths]
         want = permute_multi_embedding_reference(values, *args)
         _same_bits(OP(values, *args), want)
         _same_bits(TO_OP(values, *args, None), want)
@@ -886,6 +889,25 @@ def test_narrow_widths_copy_every_bit(batch, dtype):
     if batch:  # transposed storage (column stride != 1)
         values = [v.t().contiguous().t() for v in values]
         _same_bits(OP(values, *args), permute_multi_embedding_reference(values, *args))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("batch", [0, 1, 3, 32, 513])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("layout", NARROW_LAYOUTS, ids=["1-130", "1-40"])
+def test_narrow_widths_backward_matches_reference(batch, dtype, layout):
+    # duplicated keys (sums), unused columns (zeros), a missing gradient, stride-0 and
+    # row-strided gradients, and the fused cast's backward (float32 gradients)
+    plan = get_plan(*layout)
+    permutes, in_shapes, out_shapes, out_lengths = _metadata(layout, coalesced=False)
+    args = (permutes, in_shapes, out_shapes, plan.in_lengths, batch, dtype)
+    for grad_dtype in dict.fromkeys([dtype, torch.float32]):
+        grads = _grads(out_lengths, batch, grad_dtype, seed=batch, none_at=(1,))
+        grads[0] = torch.ones((), dtype=grad_dtype).expand(batch, out_lengths[0])
+        grads[2] = torch.randn(batch, out_lengths[2] + 7, dtype=torch.float64).to(
+            grad_dtype)[:, 3:3 + out_lengths[2]]
+        got = BACKWARD_OP(grads, *args)
+        assert_same_list(got, permute_multi_embedding_backward_reference(grads, *args))
 
 
 # --- the per-thread plan cache ----------------------------------------------------------
