@@ -15,8 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL_LAYOUT, assert_same_list, make_values
+from reference import (
+    permute_multi_embedding_backward_reference,
+    permute_multi_embedding_reference,
+)
+from test_cpu_kernel import _grads, _metadata, needs_cpp_autograd
 
 import kt_regroup
+from kt_regroup.plan import get_plan
 
 OP = torch.ops.kt_regroup.permute_multi_embedding
 MIB = 1 << 20
@@ -139,3 +146,138 @@ def test_the_environment_refuses_what_it_cannot_read_naming_the_variable(env, wa
     else:
         name, value = next(iter(env.items()))
         assert f"{name}='{value}'" in done.stderr, done.stderr[-2000:]
+
+
+# --- the output cache -------------------------------------------------------------------
+
+HUGE_PAGE = 2 << 20
+
+
+def _large_case(batch=8200):
+    """SMALL_LAYOUT at a batch whose outputs and input gradients pass 4 MiB (fp32)."""
+    values = make_values(SMALL_LAYOUT, batch, requires_grad=True, seed=3)
+    return values, _metadata(SMALL_LAYOUT, coalesced=True)
+
+
+def _step(values, args, seed):
+    outs = OP(values, *args)
+    grads = _grads(args[3], values[0].size(0), torch.float32, seed=seed)
+    torch.autograd.backward(outs, grads)
+    plan = get_plan(*SMALL_LAYOUT)
+    want = permute_multi_embedding_backward_reference(
+        grads, *args[:3], plan.in_lengths, values[0].size(0), torch.float32)
+    assert_same_list(outs, permute_multi_embedding_reference(values, *args))
+    assert_same_list([v.grad for v in values], want)
+    return outs
+
+
+@needs_cpp_autograd
+def test_a_second_step_reuses_the_first_steps_blocks_and_writes_every_column(cpu_memory):
+    values, args = _large_case()
+    kt_regroup.empty_cpu_cache()
+    outs = _step(values, args, seed=4)
+    large = [t for t in [*outs, *(v.grad for v in values)] if t.nbytes >= 4 << 20]
+    assert len(large) >= 2, [t.nbytes for t in outs]
+    for t in large:  # garbage in the blocks the next step gets back
+        t.detach().fill_(float("nan"))
+    first = cpu_memory()
+    del outs, large, t
+    for v in values:
+        v.grad = None
+    assert cpu_memory()["cached_bytes"] > first["cached_bytes"]
+    _step(values, args, seed=5)  # zeros where no key writes, the gradients of unused keys
+    assert cpu_memory()["hits"] >= first["hits"] + 2
+
+
+@needs_cpp_autograd
+def test_the_cache_never_holds_more_than_its_limit(cpu_memory):
+    values, args = _large_case()
+    block = OP([v.detach() for v in values], *args)[1].untyped_storage().nbytes()
+    cpu_memory(cache_limit=2 * block + block // 2)
+    kt_regroup.empty_cpu_cache()
+    held = [OP([v.detach() for v in values], *args) for _ in range(4)]
+    del held
+    state = cpu_memory()
+    assert 0 < state["cached_bytes"] <= state["cache_limit"]
+    kt_regroup.empty_cpu_cache()
+    assert cpu_memory()["cached_bytes"] == 0
+    cpu_memory(cache_limit=0)
+    before = cpu_memory()["hits"]
+    for _ in range(2):
+        assert_same_list(OP([v.detach() for v in values], *args),
+                         permute_multi_embedding_reference(values, *args))
+    assert cpu_memory()["hits"] == before and cpu_memory()["cached_bytes"] == 0
+    with pytest.raises(RuntimeError, match="limit must be >= 0"):
+        cpu_memory(cache_limit=-1)
+
+
+@needs_cpp_autograd
+def test_huge_pages_give_2mib_aligned_blocks_and_an_ordinary_storage(cpu_memory):
+    values, args = _large_case()
+    cpu_memory(huge_pages=True)
+    kt_regroup.empty_cpu_cache()
+    outs = _step(values, args, seed=6)
+    large = [t for t in [*outs, *(v.grad for v in values)] if t.nbytes >= 4 << 20]
+    assert large and all(t.data_ptr() % HUGE_PAGE == 0 for t in large)
+    # An ordinary storage: resizable (its allocator also serves the resize), shareable.
+    t = outs[1].detach()
+    before = t.clone()
+    t.resize_(t.size(0) * 2, t.size(1))
+    assert torch.equal(t[: before.size(0)], before)
+    t.resize_(3, t.size(1))
+    assert torch.equal(t, before[:3])
+
+
+@needs_cpu_kernel
+def test_the_environment_sets_the_cache_and_huge_pages():
+    code = (
+        "import torch, kt_regroup, sys; sys.path.insert(0, 'tests');"
+        "from test_cpu_memory import _large_case, OP, permute_multi_embedding_reference;"
+        "from conftest import assert_same_list;"
+        "v, a = _large_case(); o = OP([x.detach() for x in v], *a);"
+        "assert_same_list(o, permute_multi_embedding_reference(v, *a));"
+        "m = kt_regroup.cpu_memory(); print(m['cache_limit'], m['huge_pages'])"
+    )
+    root = Path(__file__).resolve().parents[1]
+    for env, want in [({}, f"{2 << 30} False"),
+                      ({"KT_REGROUP_CPU_CACHE_MB": "0", "KT_REGROUP_HUGE_PAGES": "1"}, "0 True"),
+                      ({"KT_REGROUP_CPU_CACHE_MB": "64"}, f"{64 << 20} False")]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("KT_REGROUP_")}
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, env={**base, **env},
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == want, (env, done.stdout)
+
+
+@needs_cpu_kernel
+def test_children_forked_while_a_thread_allocates_can_allocate():
+    """No lock of the cache is held across fork(): each child runs a large regroup."""
+    import threading
+
+    values, args = _large_case(batch=2100)
+    values = [v.detach() for v in values]
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            OP(values, *args)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:  # the child: exit at once, 0 only if the regroup is right
+                try:
+                    # As DataLoader workers do: libgomp's thread pool does not survive
+                    # fork() (any parallel torch op hangs in it), the cache must.
+                    torch.set_num_threads(1)
+                    ok = all(torch.equal(a, b) for a, b in zip(
+                        OP(values, *args), permute_multi_embedding_reference(values, *args)))
+                finally:
+                    os._exit(0 if ok else 1)
+            _, status = os.waitpid(pid, 0)  # a deadlocked child would hang here (timeout)
+            assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        stop.set()
+        thread.join()
