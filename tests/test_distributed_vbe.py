@@ -35,15 +35,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kjt(rank: int):
-    """Rank ``rank``'s variable-batch KJT: feature k has ``rows + rank`` unique rows."""
+def _kjt(rank: int, vary: bool = True):
+    """Rank ``rank``'s variable-batch KJT: feature k has ``rows`` (+ ``rank``, ``vary``)
+    unique rows."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     g = torch.Generator().manual_seed(10 + rank)
     keys = list(FEATURES)
     lengths, values, inverse, strides = [], [], [], []
     for k in keys:
-        rows = FEATURES[k][1] + rank
+        rows = FEATURES[k][1] + (rank if vary else 0)
         n = torch.randint(0, 3, (rows,), generator=g)
         lengths.append(n)
         values.append(torch.randint(0, ROWS, (int(n.sum()),), generator=g))
@@ -88,17 +89,20 @@ def _regroup_cls(name: str):
 
 
 def _specs():
-    from torchrec.distributed.sharding_plan import column_wise, data_parallel, table_wise
+    from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_wise
 
     fused = {"compute_kernel": "fused"}  # the dense kernel has no variable batch
     return {
-        "table_wise": {"t_user": table_wise(rank=1, **fused), "t_hist": table_wise(rank=0, **fused),
-                       "t_item": table_wise(rank=1, **fused), "t_ctx": table_wise(rank=0, **fused)},
+        # in the KJT's order (torchrec permutes neither the indices nor the columns)
+        "table_wise": {"t_user": table_wise(rank=0, **fused), "t_hist": table_wise(rank=0, **fused),
+                       "t_item": table_wise(rank=1, **fused), "t_ctx": table_wise(rank=1, **fused)},
         # hist: 2 shards, the second on rank 0; item: 4 shards, ranks reused; ctx: uneven
         "column_wise": {"t_user": table_wise(rank=1, **fused),
                         "t_hist": column_wise(ranks=[1, 0], **fused),
                         "t_item": column_wise(ranks=[0, 1, 1, 0], **fused),
                         "t_ctx": column_wise(ranks=[0, 1], size_per_rank=[4, 8], **fused)},
+        "row_wise": {"t_user": row_wise(compute_kernel="fused"), "t_hist": table_wise(rank=1, **fused),
+                     "t_item": row_wise(compute_kernel="fused"), "t_ctx": table_wise(rank=0, **fused)},
         "data_parallel": {f"t_{k}": data_parallel() for k in FEATURES},
     }
 
@@ -159,6 +163,7 @@ def _lazy(model):
 
 def _worker(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two processes on a shared machine
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
         _check(rank)
@@ -170,6 +175,7 @@ def _worker(rank: int, port: int) -> None:
 def _check(rank: int) -> None:
     import torchrec.distributed.embeddingbag as tr_sharded
     import torchrec.fx
+    from torchrec.distributed.types import LazyAwaitable
     from torchrec.sparse.jagged_tensor import KeyedTensor
 
     import kt_regroup
@@ -180,40 +186,54 @@ def _check(rank: int) -> None:
     torch.manual_seed(0)
     reference = _Model(_regroup_cls("torchrec"))
     full = {f"ebc.{k}": v.detach().clone() for k, v in reference.ebc.state_dict().items()}
-    want = {k: v.detach() for k, v in reference(_kjt(rank)).items()}
-    stepped = {k: v.clone() for k, v in full.items()}
     names = [f"ebc.{n}" for n, _ in reference.ebc.named_parameters()]
-    for r in range(WORLD_SIZE):
-        grads = torch.autograd.grad(_loss(reference(_kjt(r))), list(reference.ebc.parameters()))
-        for n, g in zip(names, grads):
-            stepped[n] -= g / WORLD_SIZE
+
+    def expected(vary: bool):
+        want = {k: v.detach() for k, v in reference(_kjt(rank, vary)).items()}
+        stepped = {k: v.clone() for k, v in full.items()}
+        for r in range(WORLD_SIZE):
+            loss = _loss(reference(_kjt(r, vary)))
+            for n, g in zip(names, torch.autograd.grad(loss, list(reference.ebc.parameters()))):
+                stepped[n] -= g / WORLD_SIZE
+        return want, stepped
 
     specs = _specs()
-    for sharding in ("table_wise", "column_wise"):
+    for sharding in ("table_wise", "column_wise", "row_wise"):
+        # torchrec's row-wise backward (an all_gather) needs one row count on every rank
+        vary = sharding != "row_wise"
+        want, stepped = expected(vary)
         for regroup in ("kt_regroup", "torchrec"):
             with kt_regroup.patch_torchrec():
                 dmp = _shard(_Model(_regroup_cls(regroup)), specs[sharding])
                 assert type(dmp.module.regroup) is kt_regroup.KTRegroupAsDict
                 _copy_weights(dmp, full)
-                got = dmp(_kjt(rank))
+                got = dmp(_kjt(rank, vary))
                 kt = _lazy(dmp.module)
                 assert type(kt) is kt_regroup.VariableBatchKeyedTensor, (sharding, regroup)
                 assert kt._expanded is None  # regrouped straight from the rows
+                with torch.no_grad():  # KeyedTensor.regroup of the awaitable, from the rows
+                    pooled = dmp.module.ebc(_kjt(rank, vary))
+                    regrouped = KeyedTensor.regroup([pooled], GROUPS)
+                    assert LazyAwaitable._wait_async(pooled)._expanded is None
                 _loss(got).backward()
-            for k in want:
+            for k, r in zip(want, regrouped):
                 torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+                torch.testing.assert_close(r, want[k], rtol=0, atol=0)
             assert _check_weights(dmp, stepped) > 0
+            sharded_ebc = dmp.module.ebc
+            permuted = sharded_ebc._inverse_indices_permute_indices is not None
+            assert permuted == (sharding != "table_wise"), sharding
             if sharding == "column_wise":  # a key's columns come from both ranks
                 assert len(dmp.plan.plan["ebc"]["t_hist"].sharding_spec.shards) == 2
         # unpatched: torchrec's expansion again, in the same sharded model (weights stepped)
         assert tr_sharded.VariableBatchEmbeddingBagCollectionAwaitable.__dict__[
             "_wait_impl"] is original_wait
-        again = dmp(_kjt(rank))
+        again = dmp(_kjt(rank, vary))
         assert type(_lazy(dmp.module)) is KeyedTensor
-        expanded = dmp.module.ebc(_kjt(rank)).wait()
+        expanded = dmp.module.ebc(_kjt(rank, vary)).wait()
         with kt_regroup.patch_torchrec():
-            lazy_out = dmp(_kjt(rank))
-            lazy = dmp.module.ebc(_kjt(rank)).wait()
+            lazy_out = dmp(_kjt(rank, vary))
+            lazy = dmp.module.ebc(_kjt(rank, vary)).wait()
         for k in want:
             torch.testing.assert_close(lazy_out[k], again[k], rtol=0, atol=0)
         # the lazy form's keys, values and to_dict are the expanded KeyedTensor's
@@ -222,6 +242,8 @@ def _check(rank: int) -> None:
         torch.testing.assert_close(lazy.values(), expanded.values(), rtol=0, atol=0)
         for k, v in expanded.to_dict().items():
             torch.testing.assert_close(lazy.to_dict()[k], v, rtol=0, atol=0)
+
+    want, _ = expected(True)
 
     # data-parallel shards with a variable batch fail inside torchrec; patched, the same
     outcomes = []
