@@ -15,12 +15,16 @@
   only when something reads its values; the regroups read the rows directly. Under fx
   tracing, TorchScript, torch.compile and export it is torchrec's forward;
 * the sharded ``EmbeddingBagCollection``'s variable-batch output under
-  ``DistributedModelParallel`` (``VariableBatchEmbeddingBagCollectionAwaitable._wait_impl``,
-  table-wise and column-wise shards) is a :class:`kt_regroup.VariableBatchKeyedTensor`
-  too, made of the rows the output all-to-all delivers (a column-wise key's shards joined
-  along the columns, rows only). A layout it does not know (data-parallel shards, whose
-  variable-batch output torchrec itself fails to expand), fx tracing and export get
-  torchrec's expansion.
+  ``DistributedModelParallel`` (``VariableBatchEmbeddingBagCollectionAwaitable._wait_impl``;
+  table-wise, column-wise and row-wise shards) is a
+  :class:`kt_regroup.VariableBatchKeyedTensor` too, made of the rows the output
+  all-to-all delivers (a column-wise key's shards joined along the columns, at its row
+  count). A layout it does not know (data-parallel shards, whose variable-batch output
+  torchrec itself fails to expand) gets torchrec's expansion, and so does a wait under fx
+  tracing, torch.compile or export. A graph that keeps the sharded EBC as a leaf
+  (torchrec's train pipeline) is the graph it is unpatched, and gets the lazy form when
+  it runs.
+
 What is swapped and what is not:
 
 * names are swapped, not objects: a ``KTRegroupAsDict`` constructed after patching is
@@ -199,8 +203,11 @@ def _piece_order(permute_op: Any) -> Optional[List[int]]:
     return order
 
 
-def _sharded_rows(aw: Any, embeddings: List[torch.Tensor]) -> Optional[VariableBatchKeyedTensor]:
-    """The awaitable's output as pooled rows, or None for a layout this does not know."""
+def _sharded_rows(
+    aw: Any, embeddings: List[torch.Tensor]
+) -> Optional[VariableBatchKeyedTensor]:
+    """The awaitable's output as pooled rows, or None for a layout this does not know
+    (then torchrec's expansion reads it, or fails on it, as unpatched)."""
     rows, dims = aw._batch_size_per_feature_pre_a2a, aw._uncombined_embedding_dims
     order = _piece_order(aw._permute_op)
     if order is None or len(rows) != len(dims) or sorted(order) != list(range(len(dims))):
@@ -233,11 +240,13 @@ def _sharded_rows(aw: Any, embeddings: List[torch.Tensor]) -> Optional[VariableB
             got, k = got + dims[order[k]], k + 1
         if got != width or not parts or any(rows[p] != rows[parts[0]] for p in parts):
             return None
-        pooled.append(pieces[parts[0]] if len(parts) == 1 else torch.cat([pieces[p] for p in parts], 1))
+        joined = [pieces[p] for p in parts]  # a column-wise key: its shards' columns
+        pooled.append(joined[0] if len(joined) == 1 else torch.cat(joined, 1))
         indices.append(inverse[parts[0]])
     if k != len(order):
         return None
-    return VariableBatchKeyedTensor(list(aw._embedding_names), list(aw._embedding_dims), pooled, indices)
+    names, widths = list(aw._embedding_names), list(aw._embedding_dims)
+    return VariableBatchKeyedTensor(names, widths, pooled, indices)
 
 
 def _sharded_wait() -> Any:

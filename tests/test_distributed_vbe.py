@@ -2,8 +2,9 @@
 2 processes, gloo on loopback, CPU, real torchrec DistributedModelParallel.
 
 The model is EmbeddingBagCollection -> KTRegroupAsDict (kt_regroup's, or torchrec's
-patched). Sharded table-wise, and column-wise mixed with table-wise, each rank checks
-against the unsharded, unpatched torchrec model with the same weights:
+patched). Sharded table-wise, column-wise mixed with table-wise, and row-wise mixed with
+table-wise, each rank checks against the unsharded, unpatched torchrec model with the
+same weights:
 
 * the groups on its variable-batch KJT, and that the EBC's output was the lazy
   ``VariableBatchKeyedTensor``, regrouped from its rows without being expanded;
@@ -101,8 +102,8 @@ def _specs():
                         "t_hist": column_wise(ranks=[1, 0], **fused),
                         "t_item": column_wise(ranks=[0, 1, 1, 0], **fused),
                         "t_ctx": column_wise(ranks=[0, 1], size_per_rank=[4, 8], **fused)},
-        "row_wise": {"t_user": row_wise(compute_kernel="fused"), "t_hist": table_wise(rank=1, **fused),
-                     "t_item": row_wise(compute_kernel="fused"), "t_ctx": table_wise(rank=0, **fused)},
+        "row_wise": {"t_user": row_wise(**fused), "t_hist": table_wise(rank=1, **fused),
+                     "t_item": row_wise(**fused), "t_ctx": table_wise(rank=0, **fused)},
         "data_parallel": {f"t_{k}": data_parallel() for k in FEATURES},
     }
 
