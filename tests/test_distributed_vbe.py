@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 WORLD_SIZE = 2
 BATCH = 6
@@ -154,6 +155,22 @@ def _check_weights(dmp, want_state) -> int:
     return checked
 
 
+class _Ops(TorchDispatchMode):
+    """The names of the ops that reach the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+# torchrec's expansion of the rows and its permute of the expanded columns
+EXPANSION = {"fbgemm::batch_index_select_dim0_forward_cpu_impl", "fbgemm::permute_pooled_embs"}
+
+
 def _lazy(model):
     """The EBC's waited output: the lazy form, and whether it was expanded."""
     from torchrec.distributed.types import LazyAwaitable
@@ -208,15 +225,19 @@ def _check(rank: int) -> None:
                 dmp = _shard(_Model(_regroup_cls(regroup)), specs[sharding])
                 assert type(dmp.module.regroup) is kt_regroup.KTRegroupAsDict
                 _copy_weights(dmp, full)
-                got = dmp(_kjt(rank, vary))
-                kt = _lazy(dmp.module)
+                with _Ops() as ops:
+                    got = dmp(_kjt(rank, vary))
+                    kt = _lazy(dmp.module)
                 assert type(kt) is kt_regroup.VariableBatchKeyedTensor, (sharding, regroup)
                 assert kt._expanded is None  # regrouped straight from the rows
                 with torch.no_grad():  # KeyedTensor.regroup of the awaitable, from the rows
                     pooled = dmp.module.ebc(_kjt(rank, vary))
                     regrouped = KeyedTensor.regroup([pooled], GROUPS)
                     assert LazyAwaitable._wait_async(pooled)._expanded is None
-                _loss(got).backward()
+                with ops:
+                    _loss(got).backward()
+                assert "kt_regroup::permute_multi_embedding_vbe" in ops.names
+                assert not EXPANSION & ops.names, ops.names
             for k, r in zip(want, regrouped):
                 torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
                 torch.testing.assert_close(r, want[k], rtol=0, atol=0)
@@ -229,8 +250,10 @@ def _check(rank: int) -> None:
         # unpatched: torchrec's expansion again, in the same sharded model (weights stepped)
         assert tr_sharded.VariableBatchEmbeddingBagCollectionAwaitable.__dict__[
             "_wait_impl"] is original_wait
-        again = dmp(_kjt(rank, vary))
-        assert type(_lazy(dmp.module)) is KeyedTensor
+        with _Ops() as ops:
+            again = dmp(_kjt(rank, vary))
+            assert type(_lazy(dmp.module)) is KeyedTensor
+        assert EXPANSION <= ops.names, ops.names
         expanded = dmp.module.ebc(_kjt(rank, vary)).wait()
         with kt_regroup.patch_torchrec():
             lazy_out = dmp(_kjt(rank, vary))
