@@ -7,6 +7,7 @@ fx tracing keeps them as single calls, and they are TorchScript-able. The helper
 """
 
 import re
+import sys
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -263,9 +264,18 @@ def regroup_with_plan(
 
 
 @torch.jit.unused
+def _waited(kt: KeyedTensor) -> KeyedTensor:
+    """What a torchrec LazyAwaitable (a sharded EBC's output under DMP) stands for."""
+    types = sys.modules.get("torchrec.distributed.types")
+    if types is not None and isinstance(kt, types.LazyAwaitable):
+        return types.LazyAwaitable._wait_async(kt)
+    return kt
+
+
+@torch.jit.unused
 def has_pooled_rows(keyed_tensors: List[KeyedTensor]) -> bool:
     return isinstance(keyed_tensors, (list, tuple)) and any(
-        isinstance(kt, VariableBatchKeyedTensor) for kt in keyed_tensors
+        isinstance(_waited(kt), VariableBatchKeyedTensor) for kt in keyed_tensors
     )
 
 
@@ -280,7 +290,7 @@ def regroup_rows(
     indices: List[Optional[torch.Tensor]] = []
     keys: List[List[str]] = []
     lengths: List[List[int]] = []
-    for kt in keyed_tensors:
+    for kt in map(_waited, keyed_tensors):
         if kt.key_dim() != 1:
             raise ValueError("kt_regroup: variable-batch inputs regroup along key_dim 1 only")
         if isinstance(kt, VariableBatchKeyedTensor):

@@ -14,6 +14,17 @@
   returns a :class:`kt_regroup.VariableBatchKeyedTensor`: the pooled rows, expanded
   only when something reads its values; the regroups read the rows directly. Under fx
   tracing, TorchScript, torch.compile and export it is torchrec's forward;
+* the sharded ``EmbeddingBagCollection``'s variable-batch output under
+  ``DistributedModelParallel`` (``VariableBatchEmbeddingBagCollectionAwaitable._wait_impl``;
+  table-wise, column-wise and row-wise shards) is a
+  :class:`kt_regroup.VariableBatchKeyedTensor` too, made of the rows the output
+  all-to-all delivers (a column-wise key's shards joined along the columns, at its row
+  count). A layout it does not know (data-parallel shards, whose variable-batch output
+  torchrec itself fails to expand) gets torchrec's expansion, and so does a wait under fx
+  tracing, torch.compile or export. A graph that keeps the sharded EBC as a leaf
+  (torchrec's train pipeline) is the graph it is unpatched, and gets the lazy form when
+  it runs.
+
 What is swapped and what is not:
 
 * names are swapped, not objects: a ``KTRegroupAsDict`` constructed after patching is
@@ -45,13 +56,16 @@ import logging
 import sys
 import threading
 import types
+import weakref
 from types import ModuleType
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torchrec.distributed.embeddingbag as _tr_sharded
 import torchrec.modules.embedding_modules as _tr_ebc
 import torchrec.modules.regroup as _tr_regroup
 import torchrec.sparse.jagged_tensor as _tr_jagged
+from torchrec.distributed.types import NoWait
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from kt_regroup.functional import VariableBatchKeyedTensor, regroup, regroup_as_dict
@@ -167,6 +181,101 @@ def _ebc_forward() -> Any:
     return functools.update_wrapper(fn, kt_regroup_original)
 
 
+# The sharded EmbeddingBagCollection's variable-batch output (DistributedModelParallel).
+# The output all-to-all delivers one flat tensor per sharding type: per shard ("piece",
+# torchrec's uncombined embeddings) its [rows, columns] block, row-major, in the order of
+# _batch_size_per_feature_pre_a2a / _uncombined_embedding_dims. torchrec expands it with
+# batch_index_select_dim0, then its permute_op puts the pieces in output order: every
+# key's pieces together, by column offset (one piece per table-wise key, several per
+# column-wise key, all of one feature, so of one inverse index).
+
+_PIECE_ORDER: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
+
+
+def _piece_order(permute_op: Any) -> Optional[List[int]]:
+    """permute_op's order of the pieces, read once per permute_op (a device tensor)."""
+    order = _PIECE_ORDER.get(permute_op)
+    if order is None:
+        permute = getattr(permute_op, "_permute", None)
+        if not isinstance(permute, torch.Tensor):
+            return None
+        order = _PIECE_ORDER[permute_op] = permute.tolist()
+    return order
+
+
+def _sharded_rows(
+    aw: Any, embeddings: List[torch.Tensor]
+) -> Optional[VariableBatchKeyedTensor]:
+    """The awaitable's output as pooled rows, or None for a layout this does not know
+    (then torchrec's expansion reads it, or fails on it, as unpatched)."""
+    rows, dims = aw._batch_size_per_feature_pre_a2a, aw._uncombined_embedding_dims
+    order = _piece_order(aw._permute_op)
+    if order is None or len(rows) != len(dims) or sorted(order) != list(range(len(dims))):
+        return None
+    if any(type(e) is not torch.Tensor or e.dim() != 1 for e in embeddings):
+        return None  # data-parallel shards arrive as [batch, columns]
+    sizes = [r * d for r, d in zip(rows, dims)]
+    pieces: List[torch.Tensor] = []
+    n = 0
+    for e in embeddings:  # each flat tensor holds the next pieces: split, not cat
+        first, total = n, 0
+        while n < len(sizes) and total + sizes[n] <= e.numel():
+            total, n = total + sizes[n], n + 1
+        if total != e.numel():
+            return None
+        blocks = e.split(sizes[first:n])
+        pieces += [b.view(r, d) for b, r, d in zip(blocks, rows[first:n], dims[first:n])]
+    inverse = aw._inverse_indices[1]
+    if aw._inverse_indices_permute_indices is not None:  # piece -> its feature's row
+        inverse = inverse.index_select(0, aw._inverse_indices_permute_indices)
+    if n != len(sizes) or inverse.size(0) != len(sizes):
+        return None
+    pooled: List[torch.Tensor] = []
+    indices: List[Optional[torch.Tensor]] = []
+    k = 0
+    for width in aw._embedding_dims:
+        parts, got = [], 0
+        while k < len(order) and got < width:
+            parts.append(order[k])
+            got, k = got + dims[order[k]], k + 1
+        if got != width or not parts or any(rows[p] != rows[parts[0]] for p in parts):
+            return None
+        joined = [pieces[p] for p in parts]  # a column-wise key: its shards' columns
+        pooled.append(joined[0] if len(joined) == 1 else torch.cat(joined, 1))
+        indices.append(inverse[parts[0]])
+    if k != len(order):
+        return None
+    names, widths = list(aw._embedding_names), list(aw._embedding_dims)
+    return VariableBatchKeyedTensor(names, widths, pooled, indices)
+
+
+def _sharded_wait() -> Any:
+    """The patched ``VariableBatchEmbeddingBagCollectionAwaitable._wait_impl``."""
+    original = _tr_sharded.VariableBatchEmbeddingBagCollectionAwaitable._wait_impl
+
+    @functools.wraps(original)
+    def _wait_impl(self: Any) -> KeyedTensor:
+        if _in_graph():
+            return original(self)
+        embeddings = []
+        for i, w in enumerate(self._awaitables):  # as torchrec waits them
+            with _tr_sharded.maybe_annotate_embedding_event(
+                _tr_sharded.EmbeddingEvent.OUTPUT_DIST_WAIT,
+                self._module_fqn,
+                self._sharding_types[i] if self._sharding_types else None,
+            ):
+                embeddings.append(w.wait())
+        kt = _sharded_rows(self, embeddings)
+        if kt is None:  # torchrec's expansion of what arrived
+            self._awaitables = [NoWait(e) for e in embeddings]
+            return original(self)
+        for awaitable in self._resize_awaitables or []:
+            awaitable.wait()
+        return kt
+
+    return _wait_impl
+
+
 # Module-level objects of torchrec -> kt_regroup's, rebound wherever a torchrec* module
 # holds them. jagged_tensor wraps its helpers with torch.fx.wrap by name, so the
 # replacements bound under those names are recorded as single calls by fx as well.
@@ -184,6 +293,7 @@ _CLASS_LEVEL: List[Tuple[type, str, Any]] = [
     (KeyedTensor, "regroup", staticmethod(_keyed_tensor_regroup)),
     (KeyedTensor, "regroup_as_dict", staticmethod(_keyed_tensor_regroup_as_dict)),
     (_tr_ebc.EmbeddingBagCollection, "forward", _ebc_forward()),
+    (_tr_sharded.VariableBatchEmbeddingBagCollectionAwaitable, "_wait_impl", _sharded_wait()),
 ]
 
 _lock = threading.Lock()
