@@ -9,7 +9,6 @@ module's state stays as it is and the call checks the layout itself.
 """
 
 import logging
-import sys
 from typing import Dict, List, Optional
 
 import torch
@@ -20,6 +19,7 @@ from torchrec.types import CacheMixin, DataType
 
 from kt_regroup.functional import (
     Plan,
+    _waited,
     has_pooled_rows,
     layout,
     matches,
@@ -37,14 +37,6 @@ torch.fx.wrap("regroup_with_plan")  # a leaf of fx graphs here too (fx patches b
 logger = logging.getLogger(__name__)
 
 __all__ = ["KTRegroupAsDict", "RegroupPlanModule"]
-
-
-def _waited(obj):
-    """What a torchrec LazyAwaitable (a sharded EBC's output under DMP) stands for."""
-    types = sys.modules.get("torchrec.distributed.types")
-    if types is not None and isinstance(obj, types.LazyAwaitable):
-        return types.LazyAwaitable._wait_async(obj)
-    return obj
 
 
 class RegroupPlanModule(torch.nn.Module):

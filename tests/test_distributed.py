@@ -102,6 +102,7 @@ def _copy_weights(
 
 
 def _worker(rank: int, port: int) -> None:
+    torch.set_num_threads(1)  # two processes on a shared machine
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
