@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "of the linear over-arch; +vbe: the sparse keys a variable-batch KJT of "
                    "256 unique rows each, its own rows (patched torchrec, today's path, "
                    "index_select + op, no regroup) (default: scattered; full: scattered,seed,"
-                   "scattered+dup,scattered+sum; quick: scattered,scattered+dup+sum), under "
+                   "scattered+dup,scattered+sum; quick: scattered,scattered+dup+sum,scattered+vbe), under "
                    "the first allocator; the others run the first variant")
     s.add_argument("--rows", type=_csv, default=None, help="step rows to run (substrings "
                    "of the row names; default all but KeyedTensor.regroup; full and quick: all)")
@@ -145,7 +145,8 @@ def _step_child(args) -> List[dict]:
     from benchmarks import harness, step
 
     sizes = harness.QUICK if args.quick else harness.SEED
-    variants = args.variants or (["scattered", "scattered+dup+sum"] if args.quick else
+    variants = args.variants or (["scattered", "scattered+dup+sum", "scattered+vbe"]
+                                 if args.quick else
                                  ["scattered", "seed", "scattered+dup", "scattered+sum"]
                                  if args.full else ["scattered"])
     if args._child != "first":  # allocators after the first: the headline variant

@@ -241,7 +241,7 @@ def peak_rss(step: Callable[[], None]) -> Optional[int]:
     except OSError:
         return None
     step()
-    return (_status_kib("VmHWM") - before) * 1024
+    return max(0, _status_kib("VmHWM") - before) * 1024
 
 
 # --- the variable-batch (VBE) step: ``LAYOUT+vbe`` --------------------------------------------
