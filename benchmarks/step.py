@@ -7,7 +7,10 @@ a mean; or, for ``+sum`` variants, ``sum(out.sum())``: stride-0 gradients), back
 ``SGD.step`` and ``zero_grad(set_to_none=True)``. The tables are small, so the step is
 dominated by the regroup-sized tensors. ``no regroup`` feeds the EBC outputs to a linear
 each: the same FLOPs and gradient bytes with no regroup; every row's regroup share is its
-step minus that one, paired round by round.
+step minus that one, paired round by round. ``+vbe`` variants (:func:`run_vbe_variant`)
+have their own rows: the sparse keys a variable-batch KJT, regrouped by patched torchrec,
+today's path, or ``index_select`` + the op. Each row's ``peak_rss_bytes`` is from one
+untimed step after the timed rounds (:func:`peak_rss`).
 """
 
 from __future__ import annotations
