@@ -50,9 +50,9 @@ def _csv_of(allowed):
 def _variants(text: str) -> List[str]:
     for v in _csv(text):
         layout, *flags = v.split("+")
-        if layout not in ("scattered", "seed") or not set(flags) <= {"dup", "sum"}:
-            raise argparse.ArgumentTypeError(f"{v!r}: expected LAYOUT[+dup][+sum], LAYOUT one "
-                                             "of scattered, seed")
+        if layout not in ("scattered", "seed") or not set(flags) <= {"dup", "sum", "vbe"}:
+            raise argparse.ArgumentTypeError(f"{v!r}: expected LAYOUT[+dup][+sum][+vbe], "
+                                             "LAYOUT one of scattered, seed")
     return _csv(text)
 
 
@@ -87,11 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("step section")
     s.add_argument("--batch-size", type=int, default=None, help="default 1024 (quick 64)")
     s.add_argument("--variants", type=_variants, default=None,
-                   help="LAYOUT[+dup][+sum], comma-separated; LAYOUT = scattered (keys in "
-                   "random order in each group) or seed (input order); +dup: one duplicate "
+                   help="LAYOUT[+dup][+sum][+vbe], comma-separated; LAYOUT = scattered (keys "
+                   "in random order in each group) or seed (input order); +dup: one duplicate "
                    "key per group; +sum: loss = sum(out.sum()) (stride-0 gradients) instead "
-                   "of the linear over-arch (default: scattered; full: scattered,seed,"
-                   "scattered+dup,scattered+sum; quick: scattered,scattered+dup+sum), under "
+                   "of the linear over-arch; +vbe: the sparse keys a variable-batch KJT of "
+                   "256 unique rows each, its own rows (patched torchrec, today's path, "
+                   "index_select + op, no regroup) (default: scattered; full: scattered,seed,"
+                   "scattered+dup,scattered+sum; quick: scattered,scattered+dup+sum,scattered+vbe), under "
                    "the first allocator; the others run the first variant")
     s.add_argument("--rows", type=_csv, default=None, help="step rows to run (substrings "
                    "of the row names; default all but KeyedTensor.regroup; full and quick: all)")
@@ -143,7 +145,8 @@ def _step_child(args) -> List[dict]:
     from benchmarks import harness, step
 
     sizes = harness.QUICK if args.quick else harness.SEED
-    variants = args.variants or (["scattered", "scattered+dup+sum"] if args.quick else
+    variants = args.variants or (["scattered", "scattered+dup+sum", "scattered+vbe"]
+                                 if args.quick else
                                  ["scattered", "seed", "scattered+dup", "scattered+sum"]
                                  if args.full else ["scattered"])
     if args._child != "first":  # allocators after the first: the headline variant

@@ -13,6 +13,10 @@ def _us(s: Optional[float]) -> str:
     return "—" if s is None else f"{s * 1e6:,.1f}"
 
 
+def _mib(b: Optional[int]) -> str:
+    return "—" if b is None else f"{b / 2**20:,.0f}"
+
+
 def _x(r: Optional[float]) -> str:
     return "—" if r is None else f"{r:.2f}"
 
@@ -33,6 +37,9 @@ TABLES: Dict[str, Tuple[Callable[[dict], str], Columns]] = {
               ("regroup share ms", lambda r: _ms(r["share_s"])),
               ("share / fallback", lambda r: _x(r["share_vs_fallback"])),
               ("share / copy limit", lambda r: _x(r["share_vs_copy_limit"])),
+              ("step / ref", lambda r: _x(r.get("step_vs_ref"))),
+              ("step / index_select", lambda r: _x(r.get("step_vs_index_select"))),
+              ("peak MiB", lambda r: _mib(r.get("peak_rss_bytes"))),
               ("n", lambda r: str(r["n"])), ("check", lambda r: r["check"])]),
     "serving": (lambda r: f"serving, {r['form']}, {r.get('layout', 'serving')} layout, "
                 f"B={r['batch_size']} "
@@ -54,6 +61,9 @@ TABLES: Dict[str, Tuple[Callable[[dict], str], Columns]] = {
              ("/ copy_ graph", lambda r: _dev(r, _x, "vs_copy_graph")),
              ("n", lambda r: str(r["n"])), ("check", lambda r: r["check"])]),
 }
+# step columns only some tables fill: step / ref is the fallback's (today's path for +vbe),
+# step / index_select the +vbe tables' only; peak MiB every row but FBGEMM's
+OPTIONAL = {"step / ref", "step / index_select", "peak MiB"}
 
 
 def markdown(results: dict) -> str:
@@ -69,9 +79,12 @@ def markdown(results: dict) -> str:
         for r in data["records"]:
             tables.setdefault(title(r), []).append(r)
         for name, rows in tables.items():
-            lines += ["", f"### {name}", "| " + " | ".join(h for h, _ in cols) + " |",
-                      "|---|" + "---:|" * (len(cols) - 2) + "---|"]
-            lines += ["| " + " | ".join(cell(r) for _, cell in cols) + " |" for r in rows]
+            # a column of OPTIONAL that no row of this table fills is left out
+            shown = [(h, c) for h, c in cols
+                     if h not in OPTIONAL or any(c(r) != "—" for r in rows)]
+            lines += ["", f"### {name}", "| " + " | ".join(h for h, _ in shown) + " |",
+                      "|---|" + "---:|" * (len(shown) - 2) + "---|"]
+            lines += ["| " + " | ".join(cell(r) for _, cell in shown) + " |" for r in rows]
         lines += [f"Note ({section}): {n}" for n in data.get("notes", [])]
     return "\n".join(lines)
 

@@ -7,12 +7,15 @@ a mean; or, for ``+sum`` variants, ``sum(out.sum())``: stride-0 gradients), back
 ``SGD.step`` and ``zero_grad(set_to_none=True)``. The tables are small, so the step is
 dominated by the regroup-sized tensors. ``no regroup`` feeds the EBC outputs to a linear
 each: the same FLOPs and gradient bytes with no regroup; every row's regroup share is its
-step minus that one, paired round by round.
+step minus that one, paired round by round. ``+vbe`` variants (:func:`run_vbe_variant`)
+have their own rows: the sparse keys a variable-batch KJT, regrouped by patched torchrec,
+today's path, or ``index_select`` + the op. Each row's ``peak_rss_bytes`` is from one
+untimed step after the timed rounds (:func:`peak_rss`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -126,10 +129,14 @@ def _check(regroups, keys, lengths, batch, over, grad) -> Dict[str, str]:
 
 def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: int,
                 rows: List[str], fbgemm_steps: int, table_rows: int, seed: int) -> List[dict]:
-    """Records of one variant, ``LAYOUT[+dup][+sum]`` (e.g. ``scattered+dup``)."""
+    """Records of one variant, ``LAYOUT[+dup][+sum][+vbe]`` (e.g. ``scattered+dup``);
+    ``+vbe`` runs :func:`run_vbe_variant` (its own rows)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
     layout, *flags = variant.split("+")
+    if "vbe" in flags:
+        return run_vbe_variant(variant, sizes=sizes, batch=batch, rounds=rounds,
+                               warmup=warmup, table_rows=table_rows, seed=seed)
     grad = "sum" if "sum" in flags else "linear"
     keys, lengths, groups = make_layout(**sizes, scattered=layout == "scattered",
                                         duplicates="dup" in flags, seed=seed)
@@ -164,6 +171,7 @@ def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: i
 
     steps = {r: make_step(regroups[r], over_none if r == NONE else over) for r in rows}
     samples = interleaved(steps, rounds, warmup=warmup, max_rounds={FBGEMM: fbgemm_steps})
+    peaks = {r: peak_rss(s) for r, s in steps.items() if r != FBGEMM}  # FBGEMM: seconds
     base = samples.get(NONE, [])
     common = {"variant": variant, "layout": layout, "duplicates": "dup" in flags,
               "grad": grad, "batch_size": batch, "segments": segments(plan),
@@ -174,12 +182,14 @@ def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: i
         records.append({**common, "provider": row, "samples_s": ts, "n": len(ts),
                         "step_s": median(ts), "share_samples_s": shares,
                         "share_s": median(shares) if row != NONE else 0.0,
-                        "check": checks[row]})
+                        "peak_rss_bytes": peaks.get(row), "check": checks[row]})
     return records
 
 
 def add_ratios(records: List[dict]) -> None:
-    """Regroup share of each row over the fallback's and over the copy limit's."""
+    """Regroup share of each row over the fallback's and over the copy limit's; step time
+    over the reference row's (the fallback; for ``+vbe``, today's path) and, for ``+vbe``,
+    over the ``index_select`` row's: medians of the ratios of one round's samples."""
     for r in records:
         same = {q["provider"]: q for q in records
                 if (q["variant"], q.get("allocator"), q.get("env")) ==
@@ -188,3 +198,209 @@ def add_ratios(records: List[dict]) -> None:
             base = same.get(ref, {}).get("share_s")
             r[field] = (r["share_s"] / base if base and base > 0 and r["provider"] != NONE
                         and r["share_s"] is not None else None)
+        vbe = "vbe" in r["variant"].split("+")
+        for field, ref in (("step_vs_ref", VBE_TODAY if vbe else FALLBACK),
+                           ("step_vs_index_select", VBE_INDEX if vbe else None)):
+            base = same.get(ref, {}).get("samples_s") if ref else None
+            r[field] = median([t / b for t, b in zip(r["samples_s"], base)]) if base else None
+
+
+# --- peak memory of one step ----------------------------------------------------------------
+
+
+def _release_free_memory() -> None:
+    """Hands the free memory back to the OS (kt_regroup's output cache, then glibc
+    ``malloc_trim``, jemalloc's ``arena.<all>.purge`` or tcmalloc's
+    ``MallocExtension_ReleaseFreeMemory``), so that a step's peak is measured from the
+    same clean state whatever ran before it."""
+    import ctypes
+
+    import kt_regroup
+
+    kt_regroup.empty_cpu_cache()
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "MallocExtension_ReleaseFreeMemory"):
+        libc.MallocExtension_ReleaseFreeMemory()
+    elif hasattr(libc, "mallctl"):
+        libc.mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))
+    elif hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(ctypes.c_size_t(0))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":"))
+
+
+def peak_rss(step: Callable[[], None]) -> Optional[int]:
+    """Bytes of resident memory one call of ``step`` adds at its peak: the allocator's free
+    memory released, ``VmHWM`` reset to the current RSS (``/proc/self/clear_refs`` value
+    5), the step run, ``VmHWM`` less the RSS before. None where /proc cannot do it."""
+    _release_free_memory()
+    try:
+        before = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    step()
+    return max(0, _status_kib("VmHWM") - before) * 1024
+
+
+# --- the variable-batch (VBE) step: ``LAYOUT+vbe`` --------------------------------------------
+
+VBE_FUSED = "patched torchrec: EBC rows -> kt_regroup.KTRegroupAsDict"
+VBE_TODAY = "today: torchrec EBC (expand + cat) -> kt_regroup.KTRegroupAsDict"
+VBE_INDEX = "index_select per key -> kt_regroup op (no cat)"
+VBE_REFERENCE = "torchrec unpatched: EBC (expand + cat) -> torchrec.KTRegroupAsDict [fallback: cat]"
+VBE_ROWS = (VBE_FUSED, VBE_TODAY, VBE_INDEX, NONE)
+VBE_UNIQUE = 256  # unique rows of each sparse key
+
+
+def vbe_kjt(keys: List[str], batch: int, unique: int, table_rows: int, gen: torch.Generator):
+    """A variable-batch KJT: each key ``unique`` rows of one id, each sample one of them
+    (``stride_per_key_per_rank`` and ``inverse_indices``)."""
+    from torchrec import KeyedJaggedTensor
+
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.randint(table_rows, (len(keys) * unique,), generator=gen),
+        lengths=torch.ones(len(keys) * unique, dtype=torch.int64),
+        stride_per_key_per_rank=[[unique]] * len(keys),
+        inverse_indices=(keys, torch.randint(unique, (len(keys), batch), generator=gen)))
+
+
+class _NoRegroup(torch.autograd.Function):
+    """No regroup at all: the outputs are warm buffers of the regroup's output shapes and
+    the pooled rows' gradients views of a warm buffer (no copy, no allocation)."""
+
+    @staticmethod
+    def forward(ctx, bufs, *pooled):
+        ctx.bufs = bufs
+        return tuple(_views(bufs["out"], bufs["out_shapes"]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *_views(ctx.bufs["in"], ctx.bufs["in_shapes"]))
+
+
+def _vbe_forwards(ebcs, keys, lengths, groups, batch, unique) -> Dict[str, Callable]:
+    """Each VBE row's forward, ``list of KJT -> list of group tensors``, on ``ebcs``."""
+    from torchrec.modules.regroup import KTRegroupAsDict as TorchrecKTRegroupAsDict
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    import kt_regroup
+
+    names = [f"group_{i}" for i in range(len(groups))]
+    module = kt_regroup.KTRegroupAsDict(groups, names)
+    reference = TorchrecKTRegroupAsDict(groups, names)  # its cat path, as in _regroups
+    reference._init_regroup([KeyedTensor(keys=k, length_per_key=w, values=torch.zeros(1, sum(w)))
+                             for k, w in zip(keys, lengths)])
+    reference._is_inited = True
+    # the index_select row's plan: the dense values, then one input per sparse key
+    flat_keys = [keys[0]] + [[k] for k in keys[1]]
+    flat_lengths = [lengths[0]] + [[w] for w in lengths[1]]
+    plan = kt_regroup.kt_regroup_arguments(torch.zeros(0), flat_keys, flat_lengths, groups)
+    out_lengths = plan[3]
+    in_shapes = [(n, sum(w)) for n, w in ((batch, lengths[0]),)] + [
+        (unique, w) for w in lengths[1]]
+    bufs = {"out": torch.zeros(batch * sum(out_lengths)),
+            "in": torch.zeros(sum(n * w for n, w in in_shapes)),
+            "out_shapes": [(batch, w) for w in out_lengths], "in_shapes": in_shapes}
+
+    def patched(kjts):
+        with kt_regroup.patch_torchrec():
+            return [ebc(kjt) for ebc, kjt in zip(ebcs, kjts)]
+
+    def index_select(kjts):
+        dense, rows = patched(kjts)
+        values = [dense.values()] + [p.index_select(0, ix) for p, ix in zip(rows.pooled, rows.indices)]
+        return kt_regroup.permute_multi_embedding(values, *plan)
+
+    def none(kjts):
+        dense, rows = patched(kjts)
+        return list(_NoRegroup.apply(bufs, dense.values(), *rows.pooled))
+
+    unpatched = lambda kjts: [ebc(kjt) for ebc, kjt in zip(ebcs, kjts)]  # noqa: E731
+    return {VBE_REFERENCE: lambda kjts: list(reference(unpatched(kjts)).values()),
+            VBE_FUSED: lambda kjts: list(module(patched(kjts)).values()),
+            VBE_TODAY: lambda kjts: list(module(unpatched(kjts)).values()),
+            VBE_INDEX: index_select, NONE: none}
+
+
+def _check_vbe(forwards, params, kjts, over, grad) -> Dict[str, str]:
+    """Outputs bit-exact and the parameters' gradients to rounding, against unpatched
+    torchrec (its EBC, then its ``KTRegroupAsDict`` on the cat path)."""
+    results = {NONE: "not checked (not a regroup)"}
+    ref = None
+    for row in (VBE_REFERENCE, VBE_FUSED, VBE_TODAY, VBE_INDEX):
+        outs = forwards[row](kjts)
+        got = [o.detach() for o in outs] + list(torch.autograd.grad(over(outs, grad), params))
+        ref = ref or got
+        try:
+            assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in
+                                                zip(got[:len(outs)], ref)), "outputs differ"
+            torch.testing.assert_close(got[len(outs):], ref[len(outs):])
+            results[row] = "ok (reference)" if row == VBE_REFERENCE else "ok"
+        except AssertionError as e:
+            results[row] = f"mismatch: {str(e).splitlines()[0][:120]}"
+    return results
+
+
+def run_vbe_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: int,
+                    table_rows: int, seed: int, unique: int = VBE_UNIQUE) -> List[dict]:
+    """Records of one ``LAYOUT+vbe[+dup][+sum]`` variant: the dense keys at full batch, the
+    sparse keys a variable-batch KJT of ``unique`` rows each (``VBE_ROWS``)."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+    import kt_regroup
+
+    layout, *flags = variant.split("+")
+    grad = "sum" if "sum" in flags else "linear"
+    keys, lengths, groups = make_layout(**sizes, scattered=layout == "scattered",
+                                        duplicates="dup" in flags, seed=seed)
+    unique = min(unique, batch)
+    gen = torch.Generator().manual_seed(seed)
+    ebcs = [EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"t_{k}", embedding_dim=w, num_embeddings=table_rows,
+                           feature_names=[k]) for k, w in zip(ks, ws)])
+        for ks, ws in zip(keys, lengths)]
+
+    def kjts_of(b, u):
+        dense = KeyedJaggedTensor.from_lengths_sync(
+            keys=keys[0], values=torch.randint(table_rows, (len(keys[0]) * b,), generator=gen),
+            lengths=torch.ones(len(keys[0]) * b, dtype=torch.int64))
+        return [dense, vbe_kjt(keys[1], b, u, table_rows, gen)]
+
+    plan = kt_regroup.get_plan(keys, lengths, groups)
+    over = OverArch(list(plan.out_lengths))
+    params = [p for m in (*ebcs, over) for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=1e-3)
+    check_batch = min(batch, 64)
+    check_unique = min(unique, 16)
+    checks = _check_vbe(_vbe_forwards(ebcs, keys, lengths, groups, check_batch, check_unique),
+                        params, kjts_of(check_batch, check_unique), over, grad)
+    forwards = _vbe_forwards(ebcs, keys, lengths, groups, batch, unique)
+    kjts = kjts_of(batch, unique)
+
+    def make_step(forward):
+        def step():
+            over(forward(kjts), grad).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    steps = {r: make_step(forwards[r]) for r in VBE_ROWS}
+    samples = interleaved(steps, rounds, warmup=warmup)
+    peaks = {r: peak_rss(s) for r, s in steps.items()}
+    base = samples[NONE]
+    common = {"variant": variant, "layout": layout, "duplicates": "dup" in flags,
+              "grad": grad, "batch_size": batch, "segments": segments(plan),
+              "out_bytes": 4 * batch * sum(plan.out_lengths), "unique_rows": unique}
+    records = []
+    for row, ts in samples.items():
+        shares = [t - b for t, b in zip(ts, base)] if row != NONE else []
+        records.append({**common, "provider": row, "samples_s": ts, "n": len(ts),
+                        "step_s": median(ts), "share_samples_s": shares,
+                        "share_s": median(shares) if row != NONE else 0.0,
+                        "peak_rss_bytes": peaks[row], "check": checks[row]})
+    return records

@@ -67,10 +67,19 @@ def test_step_rows_under_each_allocator(quick):
     for alloc in dict.fromkeys(r["allocator"] for r in records):
         mine = [r for r in records if r["allocator"] == alloc]
         first = alloc == records[0]["allocator"]  # only it runs every variant and FBGEMM
-        variants = ["scattered", "scattered+dup+sum"] if first else ["scattered"]
+        variants = ["scattered", "scattered+dup+sum", "scattered+vbe"] if first else ["scattered"]
         assert list(dict.fromkeys(r["variant"] for r in mine)) == variants
         for i, variant in enumerate(variants):
             rows = {r["provider"]: r for r in mine if r["variant"] == variant}
+            if "+vbe" in variant:  # its own rows, checked against unpatched torchrec
+                assert set(rows) == set(step.VBE_ROWS)
+                for r in rows.values():
+                    assert r["n"] == len(r["samples_s"]) >= 1 and r["step_s"] > 0
+                    assert r["peak_rss_bytes"] is not None and r["step_vs_index_select"] > 0
+                    if r["provider"] != step.NONE:
+                        assert r["check"] == "ok", (r["provider"], r["check"])
+                assert rows[step.VBE_TODAY]["step_vs_ref"] == pytest.approx(1.0)
+                continue
             assert set(rows) == (set(step.ROWS) - ({step.FBGEMM} if not first else set())
                                  if i == 0 else set(step.SHORT_ROWS))
             fallback = rows[step.FALLBACK]  # a ratio needs a positive share (noise: not)

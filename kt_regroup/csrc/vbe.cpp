@@ -15,6 +15,7 @@
 // Schemas, checks, the CPU kernels, a portable kernel (ATen, every other device) and the
 // autograd live here; the fake kernels in kt_regroup/ops.py.
 
+#include "cpu_memory.h"
 #include "kt_regroup.h"
 
 #include <ATen/ATen.h>
@@ -187,7 +188,8 @@ Backward check_vbe_backward(
   return k;
 }
 
-// The input gradients: views of one zeroed allocation.
+// The input gradients: views of one allocation (on the CPU from the output cache, whose
+// blocks come back with their pages in place), not zeroed.
 std::vector<at::Tensor> gradient_views(
     c10::IntArrayRef in_rows,
     c10::IntArrayRef in_lengths,
@@ -195,7 +197,7 @@ std::vector<at::Tensor> gradient_views(
     at::Tensor* buffer) {
   int64_t total = 0;
   for (size_t i = 0; i < in_rows.size(); ++i) total += in_rows[i] * in_lengths[i];
-  *buffer = at::empty({total}, options);
+  *buffer = options.device().is_cpu() ? empty_cpu({total}, options) : at::empty({total}, options);
   std::vector<at::Tensor> out;
   int64_t offset = 0;
   for (size_t i = 0; i < in_rows.size(); ++i) {
@@ -309,8 +311,8 @@ std::vector<at::Tensor> vbe_cpu(
   const at::TensorOptions options = pooled_embs[0].options();
   const bool tiled = segments_tile_outputs(f.segments, out_lengths);
   std::vector<at::Tensor> outs;
-  for (int64_t n : out_lengths) {
-    outs.push_back(tiled ? at::empty({f.batch, n}, options) : at::zeros({f.batch, n}, options));
+  for (int64_t n : out_lengths) {  // from the output cache: warm pages where it has them
+    outs.push_back(tiled ? empty_cpu({f.batch, n}, options) : zeros_cpu({f.batch, n}, options));
   }
   if (f.batch == 0 || f.segments.empty()) return outs;
   std::vector<at::Tensor> inputs;
@@ -533,6 +535,7 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
   }
 };
 
+// VbeFunction::apply records no node where no input requires grad (or grad mode is off).
 std::vector<at::Tensor> vbe_autograd(
     at::TensorList pooled_embs,
     const OptionalTensors& indices,
@@ -540,13 +543,6 @@ std::vector<at::Tensor> vbe_autograd(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::SymIntArrayRef out_lengths) {
-  const bool grad = at::GradMode::is_enabled() &&
-      std::any_of(pooled_embs.begin(), pooled_embs.end(),
-                  [](const at::Tensor& t) { return t.requires_grad(); });
-  if (!grad) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return call_vbe(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
-  }
   return VbeFunction::apply(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
 }
 
