@@ -45,8 +45,11 @@ def interleaved(fns: Dict[str, Callable[[], object]], rounds: int, *,
                 warmup: int = 1, max_rounds: Optional[Dict[str, int]] = None
                 ) -> Dict[str, List[float]]:
     """Seconds per call of each ``fns`` entry, A B C A B C ...: each round times
-    ``number`` calls (an int, or one per entry) of every entry (``torch.utils.benchmark.Timer.timeit``) after
-    ``warmup`` untimed rounds; an entry in ``max_rounds`` stops after that many."""
+    ``number`` calls (an int, or one per entry) of every entry after ``warmup`` untimed
+    rounds; an entry in ``max_rounds`` stops after that many. ``Timer.timeit`` (torch.utils.
+    benchmark) runs ``max(number // 100, 2)`` untimed calls of the same entry before each
+    sample, so a timed call always follows calls of its own entry (as a training step
+    follows the previous one)."""
     limit = max_rounds or {}
     timers = {name: Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
               for name, fn in fns.items()}

@@ -97,11 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "the first allocator; the others run the first variant")
     s.add_argument("--rows", type=_csv, default=None, help="step rows to run (substrings "
                    "of the row names; default all but KeyedTensor.regroup; full and quick: all)")
-    s.add_argument("--steps", type=int, default=None, help="timed steps per row after one "
-                   "warm-up step, interleaved (default 7; quick 2)")
+    s.add_argument("--steps", type=int, default=None, help="timed steps per row, interleaved, "
+                   "each after two untimed steps of its row (torch.utils.benchmark's warm-up) "
+                   "(default 5; full 7; quick 2)")
     s.add_argument("--fbgemm-steps", type=int, default=None,
                    help="timed steps of the FBGEMM row, seconds each on CPU, in the first "
-                   "variant under the first allocator only (default 3; quick 1; 0 = none)")
+                   "variant under the first allocator only (default and quick 1; full 3; "
+                   "0 = none)")
     s.add_argument("--table-rows", type=int, default=16, help="rows of each embedding table")
     s.add_argument("--allocators", type=_csv_of(ALLOCATORS), default=None,
                    help="glibc, jemalloc, tcmalloc (LD_PRELOAD): one child process each "
@@ -153,13 +155,13 @@ def _step_child(args) -> List[dict]:
         variants = variants[:1]
     rows = [r for r in step.ROWS if any(s in r for s in args.rows)] if args.rows else [
         r for r in step.ROWS if args.quick or args.full or r != step.KT_REGROUP]
-    fbgemm = args.fbgemm_steps if args.fbgemm_steps is not None else (1 if args.quick else 3)
+    fbgemm = args.fbgemm_steps if args.fbgemm_steps is not None else (3 if args.full else 1)
     records = []
     for i, variant in enumerate(variants):  # the first variant: every row; then SHORT_ROWS
         print(f"[bench] step {variant}", file=sys.stderr, flush=True)
         records += step.run_variant(
             variant, sizes=sizes, batch=args.batch_size or (64 if args.quick else 1024),
-            rounds=args.steps or (2 if args.quick else 7), warmup=1,
+            rounds=args.steps or (2 if args.quick else 7 if args.full else 5), warmup=0,
             rows=rows if i == 0 else [r for r in rows if r in step.SHORT_ROWS],
             fbgemm_steps=fbgemm if i == 0 and args._child == "first" else 0,
             table_rows=args.table_rows, seed=args.seed)
