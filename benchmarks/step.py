@@ -116,15 +116,20 @@ def _check(regroups, keys, lengths, batch, over, grad) -> Dict[str, str]:
         over(outs, grad).backward()
         got = [o.detach() for o in outs] + [v.grad for v in leaves]
         ref = ref or got
-        try:
-            assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in
-                                                zip(got[:len(outs)], ref)), "outputs differ"
-            torch.testing.assert_close(got[len(outs):], ref[len(outs):])
-            results[row] = "ok (reference)" if row == FALLBACK else "ok"
-        except AssertionError as e:
-            results[row] = f"mismatch: {str(e).splitlines()[0][:120]}"
+        results[row] = _compare(got, ref, len(outs), reference=row == FALLBACK)
     over.zero_grad(set_to_none=True)
     return results
+
+
+def _compare(got, ref, n_outs: int, reference: bool) -> str:
+    """A row's check: its ``n_outs`` outputs bit-exact, then its gradients to rounding."""
+    try:
+        assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in
+                                            zip(got[:n_outs], ref)), "outputs differ"
+        torch.testing.assert_close(got[n_outs:], ref[n_outs:])
+        return "ok (reference)" if reference else "ok"
+    except AssertionError as e:
+        return f"mismatch: {str(e).splitlines()[0][:120]}"
 
 
 def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: int,
@@ -336,13 +341,7 @@ def _check_vbe(forwards, params, kjts, over, grad) -> Dict[str, str]:
         outs = forwards[row](kjts)
         got = [o.detach() for o in outs] + list(torch.autograd.grad(over(outs, grad), params))
         ref = ref or got
-        try:
-            assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in
-                                                zip(got[:len(outs)], ref)), "outputs differ"
-            torch.testing.assert_close(got[len(outs):], ref[len(outs):])
-            results[row] = "ok (reference)" if row == VBE_REFERENCE else "ok"
-        except AssertionError as e:
-            results[row] = f"mismatch: {str(e).splitlines()[0][:120]}"
+        results[row] = _compare(got, ref, len(outs), reference=row == VBE_REFERENCE)
     return results
 
 
