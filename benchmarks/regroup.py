@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "scattered+dup,scattered+sum; quick: scattered,scattered+dup+sum,scattered+vbe), under "
                    "the first allocator; the others run the first variant")
     s.add_argument("--rows", type=_csv, default=None, help="step rows to run (substrings "
-                   "of the row names; default all but KeyedTensor.regroup; full and quick: all)")
+                   "of the row names; default all but KeyedTensor.regroup and the no-cat row; "
+                   "full and quick: all)")
     s.add_argument("--steps", type=int, default=None, help="timed steps per row, interleaved, "
                    "each after two untimed steps of its row (torch.utils.benchmark's warm-up) "
                    "(default 5; full 7; quick 2)")
@@ -154,7 +155,7 @@ def _step_child(args) -> List[dict]:
     if args._child != "first":  # allocators after the first: the headline variant
         variants = variants[:1]
     rows = [r for r in step.ROWS if any(s in r for s in args.rows)] if args.rows else [
-        r for r in step.ROWS if args.quick or args.full or r != step.KT_REGROUP]
+        r for r in step.ROWS if args.quick or args.full or r not in step.OPT_IN]
     fbgemm = args.fbgemm_steps if args.fbgemm_steps is not None else (3 if args.full else 1)
     records = []
     for i, variant in enumerate(variants):  # the first variant: every row; then SHORT_ROWS

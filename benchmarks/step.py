@@ -27,7 +27,10 @@ FBGEMM = "torchrec.KTRegroupAsDict [fbgemm]"
 KT_REGROUP = "torchrec.KeyedTensor.regroup"
 COPY_LIMIT = "limit: copy_ into warm memory"
 NONE = "no regroup"
-ROWS = (KT, FALLBACK, FBGEMM, KT_REGROUP, COPY_LIMIT, NONE)
+# opt-in (--rows): the EBC's per-key outputs regrouped with no cat (issue 23, item 3)
+NO_CAT = "kt_regroup.KTRegroupAsDict on per-key EBC outputs (no cat)"
+ROWS = (KT, FALLBACK, FBGEMM, KT_REGROUP, COPY_LIMIT, NONE, NO_CAT)
+OPT_IN = (KT_REGROUP, NO_CAT)  # run where --rows names them (and in --full / --quick)
 SHORT_ROWS = (KT, FALLBACK, COPY_LIMIT, NONE)  # the variants after the first
 
 
@@ -83,6 +86,7 @@ def _regroups(keys, lengths, groups, batch, rows: List[str]) -> Dict[str, Callab
     fallback._is_inited = True
     modules = {KT: kt_regroup.KTRegroupAsDict(groups, names), FALLBACK: fallback,
                FBGEMM: TorchrecKTRegroupAsDict(groups, names)}
+    modules[NO_CAT] = modules[KT]  # its inputs differ (the step's EBC forward)
     out: Dict[str, Callable] = {}
     for row in rows:
         if row in modules:
@@ -105,14 +109,18 @@ def _check(regroups, keys, lengths, batch, over, grad) -> Dict[str, str]:
     """Outputs bit-exact and input gradients to rounding, against the fallback row."""
     from torchrec.sparse.jagged_tensor import KeyedTensor
 
+    from kt_regroup import VariableBatchKeyedTensor
+
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(batch, sum(w), generator=gen) for w in lengths]
     results = {r: "not checked (not a regroup)" for r in (COPY_LIMIT, NONE)}
     ref = None
     for row in (FALLBACK, *[r for r in regroups if r not in (FALLBACK, *results)]):
         leaves = [v.clone().requires_grad_() for v in values]
-        outs = regroups[row]([KeyedTensor(keys=k, length_per_key=w, values=v)
-                              for k, w, v in zip(keys, lengths, leaves)])
+        outs = regroups[row]([  # NO_CAT: per-key tensors, as _forward_rows makes them
+            VariableBatchKeyedTensor(k, w, list(v.split(w, 1)), [None] * len(k))
+            if row == NO_CAT else KeyedTensor(keys=k, length_per_key=w, values=v)
+            for k, w, v in zip(keys, lengths, leaves)])
         over(outs, grad).backward()
         got = [o.detach() for o in outs] + [v.grad for v in leaves]
         ref = ref or got
@@ -166,15 +174,19 @@ def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: i
     opt = torch.optim.SGD(params, lr=1e-3)
     checks = _check(regroups, keys, lengths, min(batch, 64), over, grad)
 
-    def make_step(regroup, head):
+    from kt_regroup.patch import _forward_rows  # the EBC without its cat
+
+    def make_step(regroup, head, ebc_forward):
         def step():
-            kts = [ebc(kjt) for ebc, kjt in zip(ebcs, kjts)]
+            kts = [ebc_forward(ebc, kjt) for ebc, kjt in zip(ebcs, kjts)]
             head(regroup(kts), grad).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
 
-    steps = {r: make_step(regroups[r], over_none if r == NONE else over) for r in rows}
+    steps = {r: make_step(regroups[r], over_none if r == NONE else over,
+                          _forward_rows if r == NO_CAT else EmbeddingBagCollection.__call__)
+             for r in rows}
     samples = interleaved(steps, rounds, warmup=warmup, max_rounds={FBGEMM: fbgemm_steps})
     peaks = {r: peak_rss(s) for r, s in steps.items() if r != FBGEMM}  # FBGEMM: seconds
     base = samples.get(NONE, [])

@@ -150,9 +150,12 @@ def _rows_wanted(features: Any) -> bool:
 
 
 def _forward_rows(ebc: Any, features: KeyedJaggedTensor) -> VariableBatchKeyedTensor:
-    """torchrec's ``EmbeddingBagCollection.forward`` without the expansion and the cat."""
+    """torchrec's ``EmbeddingBagCollection.forward`` without the expansion and the cat
+    (a KJT without inverse indices: one row per sample, ``indices`` all None)."""
     names = [name for names in ebc._feature_names for name in names]
-    inverse = _tr_ebc.reorder_inverse_indices(features.inverse_indices_or_none(), names)
+    inverse: List[Optional[torch.Tensor]] = [None] * len(names)
+    if features.inverse_indices_or_none() is not None:
+        inverse = list(_tr_ebc.reorder_inverse_indices(features.inverse_indices_or_none(), names))
     feature_dict = features.to_dict()
     pooled = []
     for i, bag in enumerate(ebc.embedding_bags.values()):
@@ -160,9 +163,7 @@ def _forward_rows(ebc: Any, features: KeyedJaggedTensor) -> VariableBatchKeyedTe
             f = feature_dict[name]
             weights = f.weights() if ebc._is_weighted else None
             pooled.append(bag(input=f.values(), offsets=f.offsets(), per_sample_weights=weights).float())
-    return VariableBatchKeyedTensor(
-        ebc._embedding_names, ebc._lengths_per_embedding, pooled, list(inverse.unbind(0))
-    )
+    return VariableBatchKeyedTensor(ebc._embedding_names, ebc._lengths_per_embedding, pooled, inverse)
 
 
 def _ebc_forward() -> Any:

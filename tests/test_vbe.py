@@ -295,6 +295,24 @@ def test_patched_vbe_keyed_tensor_expands_when_read():
     assert type(ebc(kjt)) is KeyedTensor  # unpatched again
 
 
+def test_per_key_outputs_of_a_plain_kjt_equal_the_ebc():
+    """The bench's no-cat row (issue 23, item 3): ``_forward_rows`` on a KJT without
+    inverse indices is the EBC's output, per key, indices None."""
+    from kt_regroup.patch import _forward_rows
+
+    torch.manual_seed(0)
+    ebc = VbeModel(tr_regroup.KTRegroupAsDict).ebc
+    plain = KeyedJaggedTensor.from_lengths_sync(
+        list(FEATURES), torch.arange(12) % 10, torch.tensor([1, 2, 0] * 4)
+    )
+    got, want = _forward_rows(ebc, plain), ebc(plain)
+    assert got.indices == [None] * len(FEATURES) and got._expanded is None
+    out = kt_regroup.KTRegroupAsDict(GROUPS, ["a", "b"])([got])
+    ref = tr_regroup.KTRegroupAsDict(GROUPS, ["a", "b"])([want])
+    _same(list(out.values()), list(ref.values()))
+    assert torch.equal(got.values(), want.values())
+
+
 def test_patched_vbe_bad_index_names_the_key_and_sample():
     torch.manual_seed(0)
     kjt = vbe_kjt()
