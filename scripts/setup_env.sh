@@ -18,8 +18,10 @@ fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[kt_regroup] installing the pinned CPU stack into .venv (torch 2.13.0, fbgemm-gpu-cpu 1.8.0, torchrec 1.9.2)"
   python -m pip install -q --upgrade pip
-  python -m pip install -q -c requirements/constraints.txt -r requirements/cpu.txt
-  python -m pip install -q --no-deps torchrec==1.9.2
+  # --no-compile: Python writes the bytecode of what is imported, when it is first
+  # imported, instead of pip compiling all of torch's ~20 s worth up front.
+  python -m pip install -q --no-compile -c requirements/constraints.txt -r requirements/cpu.txt
+  python -m pip install -q --no-compile --no-deps torchrec==1.9.2
   echo "[kt_regroup] building and installing kt_regroup (compiles kt_regroup/_C.so, 1-3 minutes)"
   python -m pip install -q -c requirements/constraints.txt --no-build-isolation --no-deps -e .
   echo "$want" >"$stamp"
