@@ -561,7 +561,7 @@ def test_fused_cast_accepts_plan_tensors_made_under_inference_mode():
 
 # --- the multi-threaded path ------------------------------------------------------------
 
-# Rows of 4-8 KiB: a batch of a few hundred rows is several of the kernel's 1 MiB grains,
+# Rows of 4-8 KiB: a batch of a few hundred rows is many of the kernel's 128 KiB grains,
 # so at::parallel_for splits it across threads.
 WIDE_LAYOUT = random_layout(21, n_inputs=3, keys_per_input=(3, 5), widths=(127, 255, 511))
 
@@ -580,7 +580,7 @@ def test_multithreaded_forward_and_backward_match_the_oracle(four_threads, dtype
     batch = 777
     plan = get_plan(*WIDE_LAYOUT)
     row_bytes = sum(plan.out_lengths) * dtype.itemsize
-    assert batch * row_bytes >= 4 << 20, "must span several 1 MiB grains"
+    assert batch * row_bytes >= 4 << 20, "must span many 128 KiB grains"
     values = make_values(WIDE_LAYOUT, batch, dtype, requires_grad=True, seed=5)
     args = _metadata(WIDE_LAYOUT, coalesced=True)
     outs = OP(values, *args)
