@@ -76,7 +76,8 @@
 // Indices are checked on the device: an index outside its input stops the kernel with a
 // device-side assert (as index_select's), after printing the CPU kernel's message (input,
 // sample, value); the backward checks the smallest and largest index of each input some
-// head writes. Reading them on the host would wait for the device; indices are on the
+// head writes. Only the indices of inputs some row reads are checked (the CPU kernel
+// checks every index). Reading them on the host would wait for the device; indices are on the
 // data's device (the op checks it), so there is no host copy to check. The checks that
 // read the plan run in full where it is on the CPU, as above. Other dtypes of the
 // backward, or more than kMaxReads gradients, take the portable path (index_add_).
