@@ -65,3 +65,9 @@ def permute_multi_embedding_backward_reference(
         if g is not None:
             grads[in_t][:, in_off : in_off + length] += g[:, out_off : out_off + length]
     return [g.to(dtype) for g in grads]
+
+
+def permute_multi_embedding_vbe_reference(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths):
+    """The variable-batch forward: each input's rows picked by its index (None: as it is)."""
+    expanded = [p if ix is None else p.index_select(0, ix) for p, ix in zip(pooled_embs, indices)]
+    return permute_multi_embedding_reference(expanded, permutes, in_shapes, out_shapes, out_lengths)

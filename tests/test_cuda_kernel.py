@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import pathlib
+import random
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from reference import (
     permute_multi_embedding_backward_reference,
     permute_multi_embedding_reference,
     permute_multi_embedding_to_reference,
+    permute_multi_embedding_vbe_reference,
 )
 
 import kt_regroup
@@ -72,6 +74,12 @@ class Emulated:
     def backward(self, grads, p, i, o, in_lengths, batch, dtype):
         return self.ext.backward(grads, p, in_lengths, batch, dtype)
 
+    def vbe_forward(self, xs, indices, p, i, o, n, batch):
+        return self.ext.vbe_forward(xs, indices, p, n, batch)
+
+    def vbe_backward(self, grads, indices, p, i, o, in_lengths, in_rows, batch, dtype):
+        return self.ext.vbe_backward(grads, indices, p, in_lengths, in_rows, batch, dtype)
+
 
 class Cuda:
     """The ops on CUDA, the plan on the device (read there only); results back on the CPU."""
@@ -107,6 +115,15 @@ class Cuda:
             self._on(*grads), *self._on(p, i, o), in_lengths, batch, dtype
         )
         return [t.cpu() for t in got]
+
+    def vbe_forward(self, xs, indices, p, i, o, n, batch):
+        outs = ops.permute_multi_embedding_vbe(self._on(*xs), self._on(*indices), *self._on(p, i, o), n)
+        return [t.cpu() for t in outs]
+
+    def vbe_backward(self, grads, indices, p, i, o, in_lengths, in_rows, batch, dtype):
+        return ops.permute_multi_embedding_vbe_backward(
+            self._on(*grads), self._on(*indices), *self._on(p, i, o), in_lengths, in_rows, dtype
+        ).cpu()
 
 
 @pytest.fixture(scope="module", params=["emulated", "cuda"])
@@ -339,6 +356,127 @@ def test_into_writes_every_column_of_the_outputs_and_nothing_else(kernel):
         assert (b[:, :3] == -7).all() and (b[:, -4:] == -7).all()
 
 
+# --- the variable-batch ops (permute_multi_embedding_vbe{,_backward}) -----------------------
+
+
+def _vbe_case(seed, batch, dtype, index_dtype):
+    """``(xs, indices, plan, in_rows)`` on a random_layout: each input without an index (one
+    row per sample) or indexed: random rows, every sample on one row, most rows unused
+    (more rows than samples), a strided index; inputs contiguous, sliced or transposed."""
+    rng = random.Random(seed)
+    layout = random_layout(seed)
+    p, i, o, n = _plan(layout, index_dtype)
+    g = torch.Generator().manual_seed(seed)
+    xs, indices = [], []
+    for k, w in enumerate(layout.in_widths):
+        mode = rng.choice(["none", "random", "one_row", "unused", "strided"])
+        rows = {"none": batch, "random": rng.randint(1, 6), "one_row": 4, "unused": batch + 7,
+                "strided": rng.randint(1, 3)}[mode]  # fmt: skip
+        memory = rng.choice(["contiguous", "sliced", "transposed"])
+        xs.append(_values(rows, w, dtype, memory, seed + k))
+        if mode == "none":
+            indices.append(None)
+            continue
+        if mode == "one_row":
+            ix = torch.full((batch,), rng.randrange(rows))
+        elif mode == "unused":
+            ix = torch.randint(0, max(1, rows // 3), (batch,), generator=g)
+        else:
+            ix = torch.randint(0, rows, (2 * batch if mode == "strided" else batch,), generator=g)
+            ix = ix[::2] if mode == "strided" else ix
+        indices.append(ix.to(index_dtype))
+    return xs, indices, (p, i, o, n), [x.size(0) for x in xs]
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    batch=st.sampled_from([0, 1, 3, 513]),
+    dtype=st.sampled_from(DTYPES + [torch.int64, torch.bool]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_vbe_forward_equals_the_cpu_kernel(kernel, seed, batch, dtype, index_dtype):
+    xs, indices, (p, i, o, n), _ = _vbe_case(seed, batch, dtype, index_dtype)
+    before = [x.clone() for x in xs], [None if ix is None else ix.clone() for ix in indices]
+    got = kernel.vbe_forward(xs, indices, p, i, o, n, batch)
+    _assert_equal(got, ops.permute_multi_embedding_vbe(xs, indices, p, i, o, n))
+    _assert_equal(got, permute_multi_embedding_vbe_reference(xs, indices, p, i, o, n))
+    _assert_equal(xs, before[0])
+    assert all(a is None or torch.equal(a, b) for a, b in zip(indices, before[1]))
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    batch=st.sampled_from([0, 1, 3, 513]),
+    dtype=st.sampled_from(DTYPES),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    none=st.booleans(),
+)
+def test_vbe_backward_equals_the_cpu_kernel_bit_for_bit(kernel, seed, batch, dtype, index_dtype, none):
+    # Duplicated keys (the plan's chains), rows no sample reads, all samples on one row.
+    xs, indices, (p, i, o, n), in_rows = _vbe_case(seed, batch, dtype, index_dtype)
+    grads = [_values(batch, w, dtype, "contiguous", seed + 50 + j) * 64 for j, w in enumerate(n)]
+    if none and len(grads) > 1:
+        grads[0] = None
+    in_lengths = [x.size(1) for x in xs]
+    got = kernel.vbe_backward(grads, indices, p, i, o, in_lengths, in_rows, batch, dtype)
+    want = ops.permute_multi_embedding_vbe_backward(grads, indices, p, i, o, in_lengths, in_rows, dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # the bits, zeros' signs too
+
+
+def test_vbe_backward_sums_many_samples_of_one_row_in_sample_order(kernel):
+    # 4000 samples, 3999 of them on one row: another order of the float32 sums shows in
+    # their bits.
+    keys, lengths, groups = [["a", "b"], ["c"]], [[3, 2], [4]], [["a", "c", "a"], ["b"]]
+    p, i, o, n = _plan((keys, lengths, groups), torch.int64)
+    indices = [torch.tensor([1] * 3999 + [0]), None]  # input 0 has 2 rows, input 1 4000
+    grads = [_values(4000, w, torch.float32, seed=j) for j, w in enumerate(n)]
+    args = (grads, indices, p, i, o, [5, 4], [2, 4000])
+    got = kernel.vbe_backward(*args, 4000, torch.float32)
+    assert torch.equal(got.view(torch.int32), ops.permute_multi_embedding_vbe_backward(*args, torch.float32).view(torch.int32))
+
+
+def test_vbe_chunked_launches(kernel):
+    # More inputs than one launch addresses (32), each indexed.
+    m = 32
+    keys = [[f"k{t}"] for t in range(m + 3)]
+    lengths = [[1 + t % 3] for t in range(m + 3)]
+    groups = [[f"k{(5 * g) % (m + 3)}", f"k{g}"] for g in range(m + 2)]
+    p, i, o, n = _plan((keys, lengths, groups))
+    xs = [_values(2 + t % 3, w[0], torch.float32, seed=t) for t, w in enumerate(lengths)]
+    indices = [torch.tensor([t % x.size(0), 0, x.size(0) - 1]) for t, x in enumerate(xs)]
+    _assert_equal(kernel.vbe_forward(xs, indices, p, i, o, n, 3),
+                  ops.permute_multi_embedding_vbe(xs, indices, p, i, o, n))  # fmt: skip
+    grads = [_values(3, w, torch.float32, seed=j) for j, w in enumerate(n)]
+    rows, widths = [x.size(0) for x in xs], [x.size(1) for x in xs]
+    assert torch.equal(
+        kernel.vbe_backward(grads, indices, p, i, o, widths, rows, 3, torch.float32),
+        ops.permute_multi_embedding_vbe_backward(grads, indices, p, i, o, widths, rows, torch.float32),
+    )
+
+
+@pytest.mark.parametrize("bad", [5, -1], ids=["past_the_end", "negative"])
+def test_vbe_index_out_of_range_names_the_input_and_sample(kernel, bad):
+    if isinstance(kernel, Cuda):
+        pytest.skip("a device-side assert ends the process's CUDA context")
+    xs, indices, (p, i, o, n), rows = _vbe_case(7, 4, torch.float32, torch.int64)
+    xs = [torch.randn(3, x.size(1)) for x in xs]
+    # The kernels check the indices they read: those of an input some row reads.
+    k = int(p[0, 0])
+    indices = [torch.tensor([0, 2, 1, 0]) for _ in xs]
+    indices[k] = torch.tensor([0, 2, bad, 1])
+    message = rf"indices\[{k}\]\[2\] = {bad} is out of range for input {k}, which has 3 rows"
+    with pytest.raises(IndexError, match=message):
+        ops.permute_multi_embedding_vbe(xs, indices, p, i, o, n)  # the CPU kernel's message
+    with pytest.raises(IndexError, match="permute_multi_embedding_vbe: " + message):
+        kernel.vbe_forward(xs, indices, p, i, o, n, 4)
+    grads = [torch.randn(4, w) for w in n]
+    with pytest.raises(IndexError, match="permute_multi_embedding_vbe_backward: " + message):
+        kernel.vbe_backward(grads, indices, p, i, o, [x.size(1) for x in xs], [3] * len(xs), 4, torch.float32)
+
+
 # --- CUDA only: the ops on a GPU ------------------------------------------------------------------
 
 # Odd widths, keys duplicated inside a group (a) and across groups (b, e), unused keys
@@ -544,6 +682,61 @@ def test_cuda_opcheck_of_every_op():
         (ops.permute_multi_embedding_backward, (grads, p, i, o, in_lengths, 5, torch.float32)),
     ]:
         torch.library.opcheck(op, args)
+
+
+def _vbe_on(device, xs, indices, plan):
+    xs = [x.detach().to(device).clone() for x in xs]
+    indices = [None if ix is None else ix.to(device) for ix in indices]
+    return xs, indices, [t.to(device) for t in plan[:3]] + [plan[3]]
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("plan_device", ["cuda", "cpu"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_cuda_vbe_training_step_equals_the_cpu_op(plan_device, dtype):
+    xs, indices, plan, _ = _vbe_case(11, 300, dtype, torch.int32)
+    weights = [_values(300, w, dtype, seed=40 + j) for j, w in enumerate(plan[3])]
+
+    def step(device):
+        leaves, idx, (p, i, o, n) = _vbe_on(device, xs, indices, plan)
+        p, i, o = (t.to(plan_device if device == "cuda" else "cpu") for t in (p, i, o))
+        leaves = [x.requires_grad_() for x in leaves]
+        outs = ops.permute_multi_embedding_vbe(leaves, idx, p, i, o, n)
+        sum((out * w.to(device)).sum() for out, w in zip(outs, weights)).backward()
+        return _cpu([t.detach() for t in outs]), _cpu([x.grad for x in leaves])
+
+    got, want = step("cuda"), step("cpu")
+    _assert_equal(got[0], want[0])
+    _assert_equal(got[1], want[1])  # the backward's bits: sample order, float32 sums
+
+
+@needs_cuda_kernels
+def test_cuda_vbe_opcheck_one_forward_launch_and_no_host_sync():
+    from torch.profiler import ProfilerActivity, profile
+
+    xs, indices, plan, rows = _vbe_case(5, 64, torch.float32, torch.int64)
+    xs, indices, (p, i, o, n) = _vbe_on("cuda", xs, indices, plan)
+    grads = [_values(64, w, torch.float32, seed=j).cuda() for j, w in enumerate(n)]
+    widths = [x.size(1) for x in xs]
+    forward = (xs, indices, p, i, o, n)
+    backward = (grads, indices, p, i, o, widths, rows, torch.float32)
+    torch.library.opcheck(ops.permute_multi_embedding_vbe.default, forward)
+    torch.library.opcheck(ops.permute_multi_embedding_vbe_backward.default, backward)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = ops.permute_multi_embedding_vbe(*forward)
+        flat = ops.permute_multi_embedding_vbe_backward(*backward)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    _assert_equal(_cpu(outs), ops.permute_multi_embedding_vbe(_cpu(xs), _cpu(indices), p.cpu(), i.cpu(), o.cpu(), n))
+    cpu_backward = [_cpu(grads), _cpu(indices), p.cpu(), i.cpu(), o.cpu(), widths, rows, torch.float32]
+    assert torch.equal(flat.cpu(), ops.permute_multi_embedding_vbe_backward(*cpu_backward))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ops.permute_multi_embedding_vbe(*forward)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "vbe_copy_kernel" in kernels[0], kernels
 
 
 @needs_cuda_kernels

@@ -37,6 +37,7 @@ using TensorPtrs = std::vector<const at::Tensor*>;
 // runs without a host sync (the CUDA kernels).
 //   forward:  ptrs = pooled_embs, lengths = out_lengths, batch_size = nullopt
 //   backward: ptrs = grad_outputs, lengths = in_lengths, batch_size given
+// `same_batch`: the tensors share one row count (false: the variable-batch op's inputs).
 void check_without_data(
     const char* op,
     const TensorPtrs& ptrs,
@@ -45,7 +46,8 @@ void check_without_data(
     const at::Tensor& out_shapes,
     c10::IntArrayRef lengths,
     std::optional<int64_t> batch_size,
-    bool same_dtype);
+    bool same_dtype,
+    bool same_batch = true);
 
 // Checks a forward call (inputs, metadata, widths, every permute row) and returns its
 // rows as segments, adjacent contiguous rows merged and empty rows dropped. Nothing is
@@ -148,5 +150,38 @@ std::vector<Segment> check_forward_rows(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths);
+
+// vbe.cpp, for the variable-batch ops' CUDA kernels (cuda/permute.cu): their checks,
+// returning the batch size. Everything the CPU kernels check where the plan (permutes,
+// in_shapes, out_shapes) is on the CPU, else what reads no data (check_without_data);
+// the indices' values never (that would wait for the device: the kernels check them).
+int64_t check_vbe_forward_on_device(
+    at::TensorList pooled_embs,
+    const c10::List<std::optional<at::Tensor>>& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths);
+int64_t check_vbe_backward_on_device(
+    const c10::List<std::optional<at::Tensor>>& grad_outputs,
+    const c10::List<std::optional<at::Tensor>>& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    c10::IntArrayRef in_rows,
+    c10::ScalarType dtype);
+
+// The variable-batch backward by ATen ops (index_add_; vbe.cpp): every device without a
+// kernel of its own, and the dtypes the CUDA kernel does not take.
+at::Tensor vbe_backward_portable(
+    const c10::List<std::optional<at::Tensor>>& grad_outputs,
+    const c10::List<std::optional<at::Tensor>>& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    c10::IntArrayRef in_rows,
+    c10::ScalarType dtype);
 
 }  // namespace kt_regroup

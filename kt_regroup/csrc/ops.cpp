@@ -214,14 +214,15 @@ void check_without_data(
     const at::Tensor& out_shapes,
     c10::IntArrayRef lengths,
     std::optional<int64_t> batch_size,
-    bool same_dtype) {
+    bool same_dtype,
+    bool same_batch) {
   const bool backward = batch_size.has_value();
   const char* name = backward ? "grad_outputs" : "pooled_embs";
   const char* lengths_name = backward ? "in_lengths" : "out_lengths";
   std::optional<c10::Device> device;
   const bool any = std::any_of(ptrs.begin(), ptrs.end(), [](const at::Tensor* t) { return t; });
   if (!backward || any) {
-    check_tensor_list(op, name, ptrs, same_dtype);
+    check_tensor_list(op, name, ptrs, same_dtype, same_batch);
     for (const at::Tensor* t : ptrs) {
       if (t) device = t->device();
     }

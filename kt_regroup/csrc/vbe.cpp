@@ -12,8 +12,10 @@
 // tensor (an op may not return aliases of one allocation); the autograd splits it into
 // per-input views.
 //
-// Schemas, checks, the CPU kernels, a portable kernel (ATen, every other device) and the
-// autograd live here; the fake kernels in kt_regroup/ops.py.
+// Schemas, checks, the CPU kernels, a portable kernel (ATen, every device without a
+// kernel of its own) and the autograd live here; the CUDA kernels in cuda/permute.cu and
+// cuda/kernels.cuh (the same sums in the same order: the CPU kernel's bits; indices
+// checked on the device), the fake kernels in kt_regroup/ops.py.
 
 #include "cpu_memory.h"
 #include "kt_regroup.h"
@@ -121,21 +123,33 @@ struct Forward {
   int64_t batch;
 };
 
+// `plan`: read the plan (the segments; else only what reads no data), `ranges`: read the
+// indices (the CUDA kernels check them on the device).
 Forward check_vbe_forward(
     at::TensorList pooled_embs,
     const OptionalTensors& indices,
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths) {
+    c10::IntArrayRef out_lengths,
+    bool plan = true,
+    bool ranges = true) {
   Forward f;
-  f.segments =
-      check_forward_rows(kForward, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  if (plan) {
+    f.segments =
+        check_forward_rows(kForward, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  } else {
+    TensorPtrs ptrs;
+    for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
+    check_without_data(
+        kForward, ptrs, permutes, in_shapes, out_shapes, out_lengths, std::nullopt,
+        /*same_dtype=*/true, /*same_batch=*/false);
+  }
   std::vector<int64_t> rows;
   for (const at::Tensor& t : pooled_embs) rows.push_back(t.size(0));
   f.indices = held(indices);
   f.batch = check_indices(kForward, f.indices, rows, pooled_embs[0].device(), std::nullopt);
-  check_ranges(kForward, f.indices, rows);
+  if (ranges) check_ranges(kForward, f.indices, rows);
   return f;
 }
 
@@ -155,7 +169,9 @@ Backward check_vbe_backward(
     const at::Tensor& out_shapes,
     c10::IntArrayRef in_lengths,
     c10::IntArrayRef in_rows,
-    c10::ScalarType dtype) {
+    c10::ScalarType dtype,
+    bool plan = true,
+    bool ranges = true) {
   Backward k;
   k.grads = grad_pointers(grad_outputs, k.grads_held);
   TORCH_CHECK_VALUE(
@@ -182,9 +198,15 @@ Backward check_vbe_backward(
   }
   k.indices = held(indices);
   k.batch = check_indices(kBackward, k.indices, rows, device, batch);
-  k.segments = check_backward(
-      kBackward, k.grads, permutes, in_shapes, out_shapes, in_lengths, k.batch);
-  check_ranges(kBackward, k.indices, rows);
+  if (plan) {
+    k.segments = check_backward(
+        kBackward, k.grads, permutes, in_shapes, out_shapes, in_lengths, k.batch);
+  } else {
+    check_without_data(
+        kBackward, k.grads, permutes, in_shapes, out_shapes, in_lengths, k.batch,
+        /*same_dtype=*/true);
+  }
+  if (ranges) check_ranges(kBackward, k.indices, rows);
   return k;
 }
 
@@ -233,6 +255,13 @@ std::vector<at::Tensor> vbe_portable(
   return outs;
 }
 
+// The plan where the host reads it without waiting.
+bool on_host(const at::Tensor& permutes, const at::Tensor& in_shapes, const at::Tensor& out_shapes) {
+  return permutes.is_cpu() && in_shapes.is_cpu() && out_shapes.is_cpu();
+}
+
+}  // namespace
+
 at::Tensor vbe_backward_portable(
     const OptionalTensors& grad_outputs,
     const OptionalTensors& indices,
@@ -264,6 +293,36 @@ at::Tensor vbe_backward_portable(
   }
   return buffer;
 }
+
+int64_t check_vbe_forward_on_device(
+    at::TensorList pooled_embs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths) {
+  return check_vbe_forward(
+             pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths,
+             on_host(permutes, in_shapes, out_shapes), /*ranges=*/false)
+      .batch;
+}
+
+int64_t check_vbe_backward_on_device(
+    const OptionalTensors& grad_outputs,
+    const OptionalTensors& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    c10::IntArrayRef in_rows,
+    c10::ScalarType dtype) {
+  return check_vbe_backward(
+             grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype,
+             on_host(permutes, in_shapes, out_shapes), /*ranges=*/false)
+      .batch;
+}
+
+namespace {
 
 // ---- CPU kernels -----------------------------------------------------------------------------
 

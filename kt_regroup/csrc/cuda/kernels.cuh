@@ -1,7 +1,8 @@
 // The device code of permute.cu (the CUDA kernels of
-// torch.ops.kt_regroup.permute_multi_embedding{,_to,_into,_backward}), the planning of
-// their launches and the choice of kernel per dtype: nothing here calls the CUDA runtime,
-// so tests/cuda_emulation.cpp runs the same code on the CPU. Included by both only.
+// torch.ops.kt_regroup.permute_multi_embedding{,_to,_into,_backward} and of the
+// variable-batch permute_multi_embedding_vbe{,_backward}), the planning of their launches
+// and the choice of kernel per dtype: nothing here calls the CUDA runtime, so
+// tests/cuda_emulation.cpp runs the same code on the CPU. Included by both only.
 //
 // Design (the one home of these notes)
 // ------
@@ -57,6 +58,30 @@
 // overlapping output segments race, duplicates without a chain (next == 0 twice) race, a
 // chain linking different keys sums their blocks.
 //
+// *Variable batch* (permute_multi_embedding_vbe: out[j][b, cols] =
+// pooled_embs[i][indices[i][b], cols], an input without an index read at row b). The
+// forward is the byte copy above, one launch per call, batch row b of a copy block read
+// from its input's row indices[i][b] (RowIndex, by value as the tensors: int32/int64 of
+// any stride). The backward sums every sample's gradient into its row without atomics:
+// per indexed input, ATen ops on the device order its samples by row (a stable sort of
+// the index and a search of each row's first sample: samples_by_row, a few launches per
+// indexed input, no host sync); then one launch (per chunk of inputs) whose blocks are
+// (chain head, tile of its input's rows), over the largest input's rows, blocks past
+// their input's rows exiting at once. Each element sums its chain's gradient blocks in row
+// order, each over the row's samples in sample order, in float32 for float16/bfloat16: the
+// CPU kernel's order, so its bits; rows no sample reads get zeros from the head's block,
+// columns no head writes from zero blocks clipped to each input's rows. The input
+// gradients are views of one flat buffer (what the op returns). A row's sum is one
+// thread's loop: rows read by many samples are slow, the price of the CPU's bits.
+// Indices are checked on the device: an index outside its input stops the kernel with a
+// device-side assert (as index_select's), after printing the CPU kernel's message (input,
+// sample, value); the backward checks the smallest and largest index of each input some
+// head writes. Only the indices of inputs some row reads are checked (the CPU kernel
+// checks every index). Reading them on the host would wait for the device; indices are on the
+// data's device (the op checks it), so there is no host copy to check. The checks that
+// read the plan run in full where it is on the CPU, as above. Other dtypes of the
+// backward, or more than kMaxReads gradients, take the portable path (index_add_).
+//
 // *Dtypes, and what is compiled.* The forward (and _into) is a byte copy, one kernel per
 // element size (1, 2, 4, 8, 16 bytes), for any dtype. The fused cast of
 // permute_multi_embedding_to converts float32/float64/float16/bfloat16 inside the copy
@@ -64,7 +89,8 @@
 // input dtype read per tensor at run time; other casts go through .to() of the inputs
 // first. The backward takes float32/float64/float16/bfloat16 gradients: one kernel per
 // (input-gradient dtype, compute type), the gradients' dtype read at run time (7 kernels,
-// not 16); other dtypes take the portable path. 16 kernels in all.
+// not 16); other dtypes take the portable path. The variable-batch forward: one kernel per
+// element size (5), its backward one per float dtype (4). 25 kernels in all.
 //
 // *Compiled and exported graphs.* torch.compile, torch.export and AOTInductor call the
 // op, as FBGEMM's: the kernels run from the dispatcher, in eager, in a compiled graph,
@@ -76,6 +102,10 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/searchsorted.h>
+#include <ATen/ops/sort.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -84,8 +114,15 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
+
+// An index outside its input (the variable-batch ops): a device-side assert, as
+// index_select's, after printing the CPU kernel's message. The emulation records it.
+#ifndef KT_REGROUP_INDEX_ASSERT
+#define KT_REGROUP_INDEX_ASSERT(cond, fmt, ...) CUDA_KERNEL_ASSERT_PRINTF(cond, fmt, __VA_ARGS__)
+#endif
 
 namespace kt_regroup {
 namespace cuda {
@@ -254,8 +291,11 @@ template <> struct Bytes<16> { using type = Pair64; };
 
 // Fills the columns of this launch's written tensors that no row writes with zeros
 // (all-zero bytes: +0.0, 0, false), for the block's tile of columns and batch rows.
+// `rows`: each written tensor's row count where they differ (the VBE backward), else
+// nullptr (L.batch).
 template <bool kBackward, int ES, int NW>
-__device__ void zero_block(const Launch& L, const Tensors<NW>& w, int64_t blk) {
+__device__ void zero_block(
+    const Launch& L, const Tensors<NW>& w, int64_t blk, const int64_t* rows = nullptr) {
   using E = typename Bytes<ES>::type;
   __shared__ bool covered[kZeroCols];
   __shared__ int64_t first[NW + 1];  // first flat column of each written tensor
@@ -290,19 +330,48 @@ __device__ void zero_block(const Launch& L, const Tensors<NW>& w, int64_t blk) {
     int t = 0;
     while (t + 1 < w.count && c >= first[t + 1]) ++t;
     E* dst = reinterpret_cast<E*>(const_cast<char*>(w.ptr[t])) + (c - first[t]);
-    const int64_t rs = w.row_stride[t];
-    for (int64_t b = b0; b < b1; ++b) dst[b * rs] = E{};
+    const int64_t rs = w.row_stride[t], end = rows ? imin(b1, rows[t]) : b1;
+    for (int64_t b = b0; b < end; ++b) dst[b * rs] = E{};
   }
 }
 
-// The forward as a byte copy: elements of ES bytes, inputs of the outputs' dtype.
-template <int ES>
-__global__ void __launch_bounds__(kThreads) permute_copy_kernel(
-    const Launch L, const Tensors<kMaxTensors> in, const Tensors<kMaxTensors> out) {
+// The rows of the VBE forward's inputs (a launch's chunk of them): input t's row for
+// batch row b is indices[t][b], or b where input t has no index.
+template <int N>
+struct RowIndex {
+  const void* index[N];  // int32 or int64; nullptr: row b
+  int64_t stride[N];
+  int64_t rows[N];  // input t's rows: an index outside [0, rows) is an error
+  bool is64[N];
+};
+
+// Input t's row for batch row b; -1 (after the assert) for an index outside the input.
+// `input`: t's index in the op's list (for the message).
+template <int N>
+__device__ int64_t index_row(const RowIndex<N>& x, int64_t t, int64_t b, int64_t input) {
+  const void* p = x.index[t];
+  if (p == nullptr) return b;
+  const int64_t o = b * x.stride[t];
+  const int64_t v = x.is64[t] ? static_cast<const int64_t*>(p)[o]
+                              : static_cast<int64_t>(static_cast<const int32_t*>(p)[o]);
+  const bool inside = v >= 0 && v < x.rows[t];
+  KT_REGROUP_INDEX_ASSERT(
+      inside,
+      "kt_regroup.permute_multi_embedding_vbe: indices[%lld][%lld] = %lld is out of range "
+      "for input %lld, which has %lld rows",
+      static_cast<long long>(input), static_cast<long long>(b), static_cast<long long>(v),
+      static_cast<long long>(input), static_cast<long long>(x.rows[t]));
+  return inside ? v : -1;
+}
+
+// A copy block of the forward as a byte copy (elements of ES bytes, inputs of the outputs'
+// dtype): its row's segment for its tile of batch rows, batch row b read from input row
+// row_of(t, b) (b itself, or through the VBE op's index; -1: zeros).
+template <int ES, typename RowOf>
+__device__ void copy_block(
+    const Launch& L, const Tensors<kMaxTensors>& in, const Tensors<kMaxTensors>& out,
+    int64_t blk, RowOf row_of) {
   using E = typename Bytes<ES>::type;
-  int64_t blk = blockIdx.x;
-  if (blk < L.zero_blocks) return zero_block<false, ES>(L, out, blk);
-  blk -= L.zero_blocks;
   const int64_t r = blk % L.plan.n_rows;
   const Row row = load_row<false>(L.plan, r);
   int64_t wt;
@@ -325,10 +394,14 @@ __global__ void __launch_bounds__(kThreads) permute_copy_kernel(
         (srs * ES) % 16 == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 &&
         (reinterpret_cast<uintptr_t>(src) % 16) == 0) {
       const int64_t v_srs = srs * ES / 16, v_drs = drs * ES / 16;
-      const uint4* vs = reinterpret_cast<const uint4*>(src) + b0 * v_srs;
+      const uint4* vs = reinterpret_cast<const uint4*>(src);
       uint4* vd = reinterpret_cast<uint4*>(dst) + b0 * v_drs;
       for_tile<uint4>(
-          rows, row_bytes / 16, [&](int64_t b, int64_t j) { return vs[b * v_srs + j]; },
+          rows, row_bytes / 16,
+          [&](int64_t b, int64_t j) {
+            const int64_t from = row_of(rt, b0 + b);
+            return from >= 0 ? vs[from * v_srs + j] : uint4{0, 0, 0, 0};
+          },
           [&](int64_t b, int64_t j, const uint4& v) { vd[b * v_drs + j] = v; });
       return;
     }
@@ -338,10 +411,32 @@ __global__ void __launch_bounds__(kThreads) permute_copy_kernel(
   for_tile<E>(
       rows, cols,
       [&](int64_t b, int64_t j) {
-        const int64_t c = s.lo + j;
-        return (c >= rd.lo && c < rd.hi) ? src[(b0 + b) * srs + (row.read_off + c) * scs] : E{};
+        const int64_t c = s.lo + j, from = row_of(rt, b0 + b);
+        return (c >= rd.lo && c < rd.hi && from >= 0) ? src[from * srs + (row.read_off + c) * scs]
+                                                      : E{};
       },
       [&](int64_t b, int64_t j, const E& v) { d[(b0 + b) * drs + j] = v; });
+}
+
+// The forward as a byte copy.
+template <int ES>
+__global__ void __launch_bounds__(kThreads) permute_copy_kernel(
+    const Launch L, const Tensors<kMaxTensors> in, const Tensors<kMaxTensors> out) {
+  const int64_t blk = blockIdx.x;
+  if (blk < L.zero_blocks) return zero_block<false, ES>(L, out, blk);
+  copy_block<ES>(L, in, out, blk - L.zero_blocks, [](int64_t, int64_t b) { return b; });
+}
+
+// The VBE forward (permute_multi_embedding_vbe): the byte copy through the inputs' indices.
+template <int ES>
+__global__ void __launch_bounds__(kThreads) vbe_copy_kernel(
+    const Launch L, const Tensors<kMaxTensors> in, const Tensors<kMaxTensors> out,
+    const RowIndex<kMaxTensors> index) {
+  const int64_t blk = blockIdx.x;
+  if (blk < L.zero_blocks) return zero_block<false, ES>(L, out, blk);
+  copy_block<ES>(L, in, out, blk - L.zero_blocks, [&](int64_t t, int64_t b) {
+    return index_row(index, t, b, in.lo + t);
+  });
 }
 
 // x converted as torch's .to() converts it (c10's rounding; float16/bfloat16 from float).
@@ -420,6 +515,67 @@ constexpr DtypeCode code_of() {
       : kBF16;
 }
 
+// Calls f(row) for each row of the chain that starts at `head`, in row order (a head's
+// link is the next row itself; later rows hold minus the next one), at most n_rows rows;
+// stops where f returns false.
+template <typename F>
+__device__ void for_chain(const Plan& p, Row cur, F f) {
+  for (int64_t steps = 1;; ++steps) {
+    if (!f(cur)) return;
+    const int64_t next = steps == 1 ? cur.next : -cur.next;
+    if (next <= 0 || next >= p.n_rows || steps >= p.n_rows) return;
+    cur = load_row<true>(p, next);
+  }
+}
+
+// The gradient blocks of a head's chain that meet the head's columns `s`, in row order:
+// their number, or -1 where there are more than kMaxLinks (then for_links walks the chain).
+__device__ int chain_links(
+    const Plan& p, const Row& head, Span s, const Tensors<kMaxReads>& grads, Link* links) {
+  int k = 0;
+  for_chain(p, head, [&](const Row& cur) {
+    const int64_t gt = cur.read_t;  // gradient outputs are never chunked
+    if (gt < 0 || gt >= grads.count) return true;
+    const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
+    const int64_t lo = imax(rd.lo, s.lo), hi = imin(rd.hi, s.hi);
+    if (lo >= hi) return true;
+    if (k == kMaxLinks) {
+      k = -1;
+      return false;
+    }
+    links[k++] = Link{
+        grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off, lo, hi,
+        grads.dtype[gt]};
+    return true;
+  });
+  return k;
+}
+
+// Calls add(link) for each gradient block of the chain that holds the head's column c, in
+// row order: from `links` (chain_links), or walking the plan where count is -1.
+template <typename Add>
+__device__ void for_links(
+    int count, const Link* links, const Plan& p, const Row& head,
+    const Tensors<kMaxReads>& grads, int64_t c, Add add) {
+  if (count >= 0) {
+    for (int k = 0; k < count; ++k) {
+      if (c >= links[k].lo && c < links[k].hi) add(links[k]);
+    }
+    return;
+  }
+  for_chain(p, head, [&](const Row& cur) {
+    const int64_t gt = cur.read_t;
+    if (gt >= 0 && gt < grads.count) {
+      const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
+      if (c >= rd.lo && c < rd.hi) {
+        add(Link{grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off,
+                 rd.lo, rd.hi, grads.dtype[gt]});
+      }
+    }
+    return true;
+  });
+}
+
 // The backward: chain heads sum their chain's gradient blocks (any float dtype, read at
 // run time) into input gradients (D). PyTorch adds a gradient to its accumulator in
 // their promoted type, `Compute`: double where either is double, else float.
@@ -439,7 +595,6 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
   const int64_t rows = imin(L.batch - b0, L.tile_rows);
   D* dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + row.write_off + s.lo;
   const int64_t drs = out.row_stride[wt];
-  const int64_t n = L.plan.n_rows;
   const auto add = [](Acc acc, const char* ptr, int64_t index, int8_t code) {
     const Compute g = load_as<Compute>(ptr + index * code_bytes(code), code);
     return static_cast<Acc>(static_cast<Compute>(acc) + g);
@@ -447,31 +602,7 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
   // The chain, walked once per block, in row order: the blocks that contribute.
   __shared__ Link links[kMaxLinks];
   __shared__ int n_links;  // -1: more than kMaxLinks
-  if (threadIdx.x == 0) {
-    int k = 0;
-    Row cur = row;
-    for (int64_t steps = 1;; ++steps) {
-      const int64_t gt = cur.read_t;  // gradient outputs are never chunked
-      if (gt >= 0 && gt < grads.count) {
-        const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
-        const int64_t lo = imax(rd.lo, s.lo), hi = imin(rd.hi, s.hi);
-        if (lo < hi) {
-          if (k == kMaxLinks) {
-            k = -1;
-            break;
-          }
-          links[k++] = Link{
-              grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off, lo, hi,
-              grads.dtype[gt]};
-        }
-      }
-      // A head's link is the next row itself; later rows hold minus the next one.
-      const int64_t next = steps == 1 ? cur.next : -cur.next;
-      if (next <= 0 || next >= n || steps >= n) break;
-      cur = load_row<true>(L.plan, next);
-    }
-    n_links = k;
-  }
+  if (threadIdx.x == 0) n_links = chain_links(L.plan, row, s, grads, links);
   __syncthreads();
   const int count = n_links;
   const auto store = [&](int64_t b, int64_t j, const Acc& v) {
@@ -518,51 +649,96 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
               : Acc(0);
         },
         store);
-  } else if (count >= 0) {
-    for_tile<Acc>(
-        rows, s.hi - s.lo,
-        [&](int64_t b, int64_t j) {
-          const int64_t c = s.lo + j;
-          Acc acc = Acc(0);
-          for (int k = 0; k < count; ++k) {
-            const Link& l = links[k];
-            if (c >= l.lo && c < l.hi) {
-              acc = add(acc, l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs, l.code);
-            }
-          }
-          return acc;
-        },
-        store);
-  } else {  // a long chain: walked per element
-    for_tile<Acc>(
-        rows, s.hi - s.lo,
-        [&](int64_t b, int64_t j) {
-          const int64_t c = s.lo + j;
-          Acc acc = Acc(0);
-          Row cur = row;
-          for (int64_t steps = 1;; ++steps) {
-            const int64_t gt = cur.read_t;
-            if (gt >= 0 && gt < grads.count) {
-              const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
-              if (c >= rd.lo && c < rd.hi) {
-                acc = add(acc, grads.ptr[gt],
-                          (b0 + b) * grads.row_stride[gt] + (cur.read_off + c) * grads.col_stride[gt],
-                          grads.dtype[gt]);
-              }
-            }
-            const int64_t next = steps == 1 ? cur.next : -cur.next;
-            if (next <= 0 || next >= n || steps >= n) break;
-            cur = load_row<true>(L.plan, next);
-          }
-          return acc;
-        },
-        store);
+    return;
   }
+  for_tile<Acc>(
+      rows, s.hi - s.lo,
+      [&](int64_t b, int64_t j) {
+        const int64_t c = s.lo + j;
+        Acc acc = Acc(0);
+        for_links(count, links, L.plan, row, grads, c, [&](const Link& l) {
+          acc = add(acc, l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs, l.code);
+        });
+        return acc;
+      },
+      store);
+}
+
+// The VBE backward's samples of each input gradient (a launch's chunk of them), by row:
+// csr[t] holds [starts (rows[t] + 1), the samples of row 0, row 1, ... in sample order
+// (batch), their indices, ascending (batch)], int64 (samples_by_row); nullptr where the
+// input has no index (row r is sample r).
+template <int N>
+struct Samples {
+  const int64_t* csr[N];
+  int64_t rows[N];
+  int64_t batch;
+};
+
+// The VBE backward (permute_multi_embedding_vbe_backward): a chain head's block of input
+// rows sums, for each row and column, its chain's gradient blocks in row order, each over
+// the row's samples in sample order, in Acc (float32 for float16/bfloat16): the CPU
+// kernel's order, so its bits. Rows no sample reads get zeros. The gradients have D's
+// dtype (the op checks it). The input gradients are rows[t] x width views of one buffer.
+template <typename D>
+__global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
+    const Launch L, const Tensors<kMaxReads> grads, const Tensors<kMaxTensors> out,
+    const Samples<kMaxTensors> samples) {
+  using Acc = typename Accumulate<D>::type;
+  int64_t blk = blockIdx.x;
+  if (blk < L.zero_blocks) return zero_block<true, sizeof(D)>(L, out, blk, samples.rows);
+  blk -= L.zero_blocks;
+  const Row row = load_row<true>(L.plan, blk % L.plan.n_rows);
+  int64_t wt;
+  Span s;
+  if (!writes<true>(row, out, L, wt, s)) return;
+  const int64_t n_rows = samples.rows[wt], r0 = (blk / L.plan.n_rows) * L.tile_rows;
+  const int64_t rows = imin(n_rows - r0, L.tile_rows);
+  if (rows <= 0) return;
+  const int64_t* starts = samples.csr[wt];
+  const int64_t* by_row = starts ? starts + n_rows + 1 : nullptr;
+  if (starts && r0 == 0 && threadIdx.x == 0 && samples.batch > 0) {
+    for (int e = 0; e < 2; ++e) {  // the smallest index and the largest
+      const int64_t q = e ? samples.batch - 1 : 0, v = by_row[samples.batch + q];
+      const int64_t input = out.lo + wt;
+      KT_REGROUP_INDEX_ASSERT(
+          v >= 0 && v < n_rows,
+          "kt_regroup.permute_multi_embedding_vbe_backward: indices[%lld][%lld] = %lld is "
+          "out of range for input %lld, which has %lld rows",
+          static_cast<long long>(input), static_cast<long long>(by_row[q]),
+          static_cast<long long>(v), static_cast<long long>(input),
+          static_cast<long long>(n_rows));
+    }
+  }
+  __shared__ Link links[kMaxLinks];
+  __shared__ int n_links;
+  if (threadIdx.x == 0) n_links = chain_links(L.plan, row, s, grads, links);
+  __syncthreads();
+  const int count = n_links;
+  D* dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + row.write_off + s.lo;
+  const int64_t drs = out.row_stride[wt];
+  for_tile<Acc>(
+      rows, s.hi - s.lo,
+      [&](int64_t b, int64_t j) {
+        const int64_t r = r0 + b, c = s.lo + j;
+        const int64_t q0 = starts ? starts[r] : r, q1 = starts ? starts[r + 1] : r + 1;
+        Acc acc = Acc(0);
+        for_links(count, links, L.plan, row, grads, c, [&](const Link& l) {
+          const D* g = reinterpret_cast<const D*>(l.ptr) + (l.off + c) * l.cs;
+          for (int64_t q = q0; q < q1; ++q) {
+            acc += static_cast<Acc>(g[(by_row ? by_row[q] : q) * l.rs]);
+          }
+        });
+        return acc;
+      },
+      [&](int64_t b, int64_t j, const Acc& v) { dst[(r0 + b) * drs + j] = static_cast<D>(v); });
 }
 
 // A launch's arguments stay within the 4 KiB every CUDA version and GPU accepts.
 static_assert(
-    sizeof(Launch) + sizeof(Tensors<kMaxReads>) + sizeof(Tensors<kMaxTensors>) <= 4000,
+    sizeof(Launch) + sizeof(Tensors<kMaxReads>) + sizeof(Tensors<kMaxTensors>) +
+            sizeof(Samples<kMaxTensors>) <= 4000 &&
+        sizeof(Launch) + 2 * sizeof(Tensors<kMaxTensors>) + sizeof(RowIndex<kMaxTensors>) <= 4000,
     "kernel arguments over 4 KiB");
 
 // ---- host side ------------------------------------------------------------------------
@@ -710,6 +886,95 @@ void with_backward_kernel(c10::ScalarType grad_dtype, c10::ScalarType dtype, Run
     } else {
       run(&permute_backward_kernel<scalar_t, Narrow>);
     }
+  });
+}
+
+// ---- the variable-batch ops (permute_multi_embedding_vbe{,_backward}) -----------------
+
+// The index of each input of a forward launch's chunk (inputs [lo, lo + count)).
+template <int N>
+RowIndex<N> row_index(
+    const std::vector<std::optional<at::Tensor>>& indices, const TensorPtrs& inputs,
+    int64_t lo, int64_t count) {
+  RowIndex<N> x{};
+  for (int64_t k = 0; k < count; ++k) {
+    const size_t i = static_cast<size_t>(lo + k);
+    x.rows[k] = inputs[i]->size(0);
+    if (i >= indices.size() || !indices[i].has_value() || !indices[i]->defined()) continue;
+    const at::Tensor& idx = *indices[i];
+    x.index[k] = idx.const_data_ptr();
+    x.stride[k] = idx.stride(0);
+    x.is64[k] = idx.scalar_type() == at::kLong;
+  }
+  return x;
+}
+
+// The VBE forward's launches: run(kernel, blocks, L, reads, writes, index) for each, as
+// forward_launches plans them (`outs`: batch rows; `inputs`: of the outputs' dtype).
+template <typename Run>
+void vbe_forward_launches(
+    const at::Tensor& plan, const std::vector<at::Tensor>& inputs,
+    const std::vector<std::optional<at::Tensor>>& indices, const std::vector<at::Tensor>& outs,
+    int64_t batch, Run run) {
+  TensorPtrs in_ptrs, out_ptrs;
+  for (const at::Tensor& t : inputs) in_ptrs.push_back(&t);
+  for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
+  const int64_t es = outs[0].element_size();
+  forward_launches(plan, in_ptrs, out_ptrs, batch, es, [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
+    const auto index = row_index<kMaxTensors>(indices, in_ptrs, r.lo, r.count);
+    const auto go = [&](auto kernel) { run(kernel, blocks, L, r, w, index); };
+    switch (es) {
+      case 1: return go(&vbe_copy_kernel<1>);
+      case 2: return go(&vbe_copy_kernel<2>);
+      case 4: return go(&vbe_copy_kernel<4>);
+      case 8: return go(&vbe_copy_kernel<8>);
+      case 16: return go(&vbe_copy_kernel<16>);
+      default: TORCH_CHECK(false, "kt_regroup: no CUDA copy of ", es, "-byte elements");
+    }
+  });
+}
+
+// An input's samples by row, on the index's device, as vbe_backward_kernel reads them
+// (Samples::csr): a stable sort of the index and a search of each row's first sample;
+// ATen ops, no host sync.
+at::Tensor samples_by_row(const at::Tensor& index, int64_t rows) {
+  const auto [sorted, order] = at::sort(index.to(at::kLong), /*stable=*/true, 0, false);
+  return at::cat({at::searchsorted(sorted, at::arange(rows + 1, sorted.options())), order, sorted});
+}
+
+// The VBE backward's launches into `flat` (the input gradients of in_rows x in_lengths
+// side by side, as the op returns them; float dtypes, gradients of its dtype, at most
+// kMaxReads, some defined): run(kernel, blocks, L, grads, writes, samples) for each,
+// as backward_launches plans them over the largest input's rows.
+template <typename Run>
+void vbe_backward_launches(
+    const at::Tensor& plan, const TensorPtrs& grads,
+    const std::vector<std::optional<at::Tensor>>& indices, c10::IntArrayRef in_rows,
+    c10::IntArrayRef in_lengths, int64_t batch, const at::Tensor& flat, Run run) {
+  std::vector<at::Tensor> views, csr;
+  int64_t offset = 0, max_rows = 0;
+  for (size_t i = 0; i < in_rows.size(); ++i) {
+    const int64_t n = in_rows[i] * in_lengths[i];
+    views.push_back(flat.narrow(0, offset, n).view({in_rows[i], in_lengths[i]}));
+    offset += n;
+    max_rows = std::max(max_rows, in_rows[i]);
+    const bool indexed = i < indices.size() && indices[i].has_value() && indices[i]->defined();
+    csr.push_back(indexed ? samples_by_row(*indices[i], in_rows[i]) : at::Tensor());
+  }
+  if (max_rows == 0) return;
+  TensorPtrs out_ptrs;
+  for (const at::Tensor& t : views) out_ptrs.push_back(&t);
+  backward_launches(plan, grads, out_ptrs, max_rows, flat.element_size(), [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
+    Samples<kMaxTensors> samples{};
+    samples.batch = batch;
+    for (int32_t k = 0; k < w.count; ++k) {
+      const at::Tensor& c = csr[w.lo + k];
+      samples.csr[k] = c.defined() ? c.const_data_ptr<int64_t>() : nullptr;
+      samples.rows[k] = in_rows[w.lo + k];
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "kt_regroup_vbe_backward", [&] {
+      run(&vbe_backward_kernel<scalar_t>, blocks, L, g, w, samples);
+    });
   });
 }
 

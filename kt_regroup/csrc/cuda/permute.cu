@@ -1,5 +1,5 @@
-// The CUDA kernels of torch.ops.kt_regroup.permute_multi_embedding{,_to,_into,_backward}:
-// one launch per call, no host sync.
+// The CUDA kernels of torch.ops.kt_regroup.permute_multi_embedding{,_to,_into,_backward}
+// (one launch per call, no host sync) and permute_multi_embedding_vbe{,_backward}.
 //
 // The design is described in kernels.cuh, with the kernels. Only per-operator ATen
 // headers here (not ATen/ATen.h): nvcc compiles this file's host code too.
@@ -206,6 +206,83 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cuda(
   return outs;
 }
 
+// The variable-batch ops: checked as the others (the plan in full where it is on the
+// CPU, else without reading data); the indices' values by the kernels (a device-side
+// assert, as index_select's: reading them here would wait for the device).
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, int64_t blocks, const Args&... args) {
+  kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::vector<at::Tensor> permute_multi_embedding_vbe_cuda(
+    at::TensorList pooled_embs,
+    const c10::List<std::optional<at::Tensor>>& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef out_lengths) {
+  const int64_t batch = check_vbe_forward_on_device(
+      pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+  const at::Tensor& first = pooled_embs[0];
+  TORCH_CHECK_VALUE(
+      first.is_cuda(), "kt_regroup.permute_multi_embedding_vbe: pooled_embs[0] is on ",
+      first.device(), " but other arguments are on cuda; all must be on one device");
+  const c10::cuda::CUDAGuard guard(first.device());
+  std::vector<at::Tensor> outs;
+  int64_t total_cols = 0;
+  for (int64_t n : out_lengths) {
+    outs.push_back(at::empty({batch, n}, first.options()));
+    total_cols += n;
+  }
+  if (batch == 0 || total_cols == 0) return outs;
+  std::vector<at::Tensor> inputs;
+  for (const at::Tensor& t : pooled_embs) inputs.push_back(t.resolve_conj().resolve_neg());
+  const std::vector<std::optional<at::Tensor>> index(indices.begin(), indices.end());
+  vbe_forward_launches(
+      plan_on(permutes, first.device()), inputs, index, outs, batch,
+      [](auto kernel, int64_t blocks, const auto&... args) { launch(kernel, blocks, args...); });
+  return outs;
+}
+
+at::Tensor permute_multi_embedding_vbe_backward_cuda(
+    const c10::List<std::optional<at::Tensor>>& grad_outputs,
+    const c10::List<std::optional<at::Tensor>>& indices,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    c10::IntArrayRef in_rows,
+    c10::ScalarType dtype) {
+  if (!is_float(dtype) || grad_outputs.size() > size_t(kMaxReads)) {
+    return vbe_backward_portable(
+        grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
+  }
+  const int64_t batch = check_vbe_backward_on_device(
+      grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
+  std::vector<std::optional<at::Tensor>> held;
+  const TensorPtrs grads = grad_pointers(grad_outputs, held);
+  const at::Tensor* defined = nullptr;
+  for (const at::Tensor* g : grads) {
+    if (g && !defined) defined = g;
+  }
+  const c10::Device device = defined ? defined->device() : permutes.device();
+  TORCH_CHECK_VALUE(
+      device.is_cuda(), "kt_regroup.permute_multi_embedding_vbe_backward: the gradients are on ",
+      device, " but other arguments are on cuda; all must be on one device");
+  const c10::cuda::CUDAGuard guard(device);
+  int64_t total = 0;
+  for (size_t i = 0; i < in_rows.size(); ++i) total += in_rows[i] * in_lengths[i];
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  if (!defined || total == 0) return at::zeros({total}, options);
+  at::Tensor flat = at::empty({total}, options);
+  const std::vector<std::optional<at::Tensor>> index(indices.begin(), indices.end());
+  vbe_backward_launches(
+      plan_on(permutes, device), grads, index, in_rows, in_lengths, batch, flat,
+      [](auto kernel, int64_t blocks, const auto&... args) { launch(kernel, blocks, args...); });
+  return flat;
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace kt_regroup
@@ -222,4 +299,8 @@ TORCH_LIBRARY_IMPL(kt_regroup, CUDA, m) {
   m.impl(
       "permute_multi_embedding_backward",
       TORCH_FN(kt_regroup::cuda::permute_multi_embedding_backward_cuda));
+  m.impl("permute_multi_embedding_vbe", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_vbe_cuda));
+  m.impl(
+      "permute_multi_embedding_vbe_backward",
+      TORCH_FN(kt_regroup::cuda::permute_multi_embedding_vbe_backward_cuda));
 }
