@@ -120,14 +120,32 @@ def test_op_table_every_mode_and_provider(quick):
     data, _, _ = quick
     records = data["sections"]["ops"]["records"]
     assert {(r["mode"], r["duplicates"]) for r in records} == {
-        (m, d) for m in ops.MODES for d in (False, True)}
+        (m, d) for m in ops.MODES for d in (False, True)} | {(m, False) for m in ops.VBE_MODES}
     for r in records:
         assert r["check"].startswith("ok"), (r["mode"], r["provider"], r["check"])
         assert r["p50_s"] <= r["p90_s"] and r["n"] == len(r["samples_s"]) >= 1
+        assert r["vs_copy"] > 0
         if r["provider"] == ops.COPY:
             assert r["vs_copy"] == pytest.approx(1.0)
-    fb = [r for r in records if r["mode"] != "forward" and r["provider"] == ops.KT]
-    assert {r["check"] for r in fb} == {"ok"}  # gradients compared, not only outputs
+    fb = [r for r in records if r["mode"] not in ("forward", "vbe forward")
+          and r["provider"] in (ops.KT, ops.VBE_OP, ops.VBE_INDEX)]
+    assert {r["check"] for r in fb} == {"ok"} and len(fb) == 6  # gradients compared too
+
+
+def test_op_table_vbe_rows(quick):
+    data, stdout, _ = quick
+    records = data["sections"]["ops"]["records"]
+    for mode in ops.VBE_MODES:
+        rows = {r["provider"]: r for r in records if r["mode"] == mode}
+        assert list(rows) == [ops.VBE_OP, ops.VBE_INDEX, ops.COPY]
+        assert {r["check"] for r in rows.values()} == {
+            "ok", "ok" if mode == "vbe forward" else "ok (outputs; no gradient)"}
+        assert rows[ops.VBE_OP]["vs_kt_regroup"] == pytest.approx(1.0)
+        # QUICK at B=64: 3 dense keys x 8 at full batch, 24 sparse keys x 16 of 64 rows
+        out, pooled = 64 * (3 * 8 + 24 * 16) * 4, (64 * 3 * 8 + 24 * 64 * 16) * 4
+        want = 2 * out + (out + pooled if mode != "vbe forward" else 0)
+        assert {r["bytes_moved"] for r in rows.values()} == {want}
+        assert f"### op alone, {mode}, scattered (" in stdout
 
 
 def test_op_table_on_cpu_has_no_device_time(quick):

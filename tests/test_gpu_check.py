@@ -113,6 +113,11 @@ def test_dry_run_keeps_the_bench_json_and_reads_the_goals_from_it(dry_run):
                       r"n/a \| n/a \| <= (1\.05|1\.11) \| n/a \|$", goals, re.M)
     assert len(rows) == 12, goals
     assert all((g == "1.05") == (mode == "forward") for _, mode, _, g in rows), rows
+    vbe = goals.split("## Goals (issue 23")[1]  # the variable-batch op's, from its own rows
+    rows = re.findall(r"^\| (seed \| float32|scattered \| bfloat16) \| (vbe forward|vbe forward"
+                      r"\+backward) \| \d+\.\d\d \| n/a \| n/a \| n/a \| <= 1\.15 \| n/a \|$",
+                      vbe, re.M)
+    assert len(rows) == 4 and len(set(rows)) == 4, vbe
 
 
 def test_without_torchrec_the_training_step_and_bench_run_at_op_level(tmp_path):
