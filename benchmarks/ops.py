@@ -4,7 +4,8 @@ Inputs are leaf ``KeyedTensor`` s of the seed's sizes, scattered layout, with an
 duplicate keys; forward and forward+backward (``torch.autograd.grad`` with contiguous
 ``ones`` or stride-0 ``expanded`` upstream gradients, what ``out.sum()`` hands back).
 Each provider's first call is untimed and checked against torchrec's cat path. The copy
-limits: ``clone`` (fresh memory) and ``copy_`` (warm memory) of the same bytes.
+limits: ``clone`` (fresh memory) and ``copy_`` (warm memory) of the same bytes. ``--full``
+and ``--quick`` then time the variable-batch op (``VBE_MODES``, :func:`_vbe_cells`).
 
 Wall time (``p50_s``) syncs the host before and after each call: on a GPU it holds the
 launch overhead. On CUDA each row also has GPU time from CUDA events
@@ -249,6 +250,7 @@ def _vbe_cells(sizes, batch, layout, seed, device, dtype) -> Iterator[Cell]:
         # forward+backward also the upstream gradient read, the input gradients written
         out_bytes, in_bytes = _nbytes(expected), _nbytes(pooled)
         moved = 2 * out_bytes + ((out_bytes + in_bytes) if backward else 0)
+        # the copy limit: the outputs, then a flat buffer of (out + in) / 2 bytes
         extra = [expected[0].new_zeros((out_bytes + in_bytes) // 2 // expected[0].element_size())
                  ] if backward else []
         fns = {VBE_OP: lambda p=pooled: op.permute_multi_embedding_vbe(p, indices, *plan),
