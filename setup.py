@@ -159,8 +159,10 @@ def extension():
     from torch.utils import cpp_extension
 
     sources = sorted(str(p) for p in CSRC.glob("*.cpp"))
-    # at::parallel_for is an inline OpenMP loop: without -fopenmp one thread.
-    cxx = ["-O3", "-fopenmp"]
+    # at::parallel_for is an inline OpenMP loop: without -fopenmp one thread. -g0 drops the
+    # debug info Python's own CFLAGS (-g) would add: a third of the build time and most of
+    # the library's size (scripts/asan.sh builds its own library, with -g).
+    cxx = ["-O3", "-fopenmp", "-g0"]
     with_cuda, why = cuda_build(
         torch.version.cuda, nvcc_version(cpp_extension.CUDA_HOME),
         os.environ.get("KT_REGROUP_CUDA", ""),

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "full and quick: all)")
     s.add_argument("--steps", type=int, default=None, help="timed steps per row, interleaved, "
                    "each after two untimed steps of its row (torch.utils.benchmark's warm-up) "
-                   "(default 5; full 7; quick 2)")
+                   "(default 4; full 7; quick 2)")
     s.add_argument("--fbgemm-steps", type=int, default=None,
                    help="timed steps of the FBGEMM row, seconds each on CPU, in the first "
                    "variant under the first allocator only (default and quick 1; full 3; "
@@ -162,7 +162,7 @@ def _step_child(args) -> List[dict]:
         print(f"[bench] step {variant}", file=sys.stderr, flush=True)
         records += step.run_variant(
             variant, sizes=sizes, batch=args.batch_size or (64 if args.quick else 1024),
-            rounds=args.steps or (2 if args.quick else 7 if args.full else 5), warmup=0,
+            rounds=args.steps or (2 if args.quick else 7 if args.full else 4), warmup=0,
             rows=rows if i == 0 else [r for r in rows if r in step.SHORT_ROWS],
             fbgemm_steps=fbgemm if i == 0 and args._child == "first" else 0,
             table_rows=args.table_rows, seed=args.seed)
