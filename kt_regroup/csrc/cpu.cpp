@@ -29,12 +29,6 @@
 namespace kt_regroup {
 namespace {
 
-// Rows are handed to threads in chunks of at least this many bytes: ATen's own grain for
-// copies (at::internal::GRAIN_SIZE, 32768 float32 elements), so the regroup runs on as
-// many threads as a clone of its outputs does. A B=32 serving request (tens of KiB) runs
-// inline; at B=512 (~1 MiB) two threads took the serving layout from 2.5-2.8x a clone
-// of the outputs (one thread) to 1.2-1.4x (Intel Xeon VM, 2 threads, 2026-12-05).
-constexpr int64_t kGrainBytes = 128 * 1024;
 // Above this many bytes copied per call, segments are reordered to read inputs in order.
 constexpr int64_t kReorderBytes = 1024 * 1024;
 

@@ -398,7 +398,7 @@ std::vector<at::Tensor> vbe_cpu(
         &maps[s.in_t]});
     bytes_per_sample += s.length * es;
   }
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, bytes_per_sample));
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, bytes_per_sample));
   at::parallel_for(0, f.batch, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (const Copy& c : copies) {
@@ -441,8 +441,14 @@ void vbe_backward_cpu_typed(
   }
   std::vector<at::Tensor> keep;
   const std::vector<RowMap> maps = row_maps(k.indices, n_in, keep);
-  // One task per input; each owns its rows, so no two threads write one element.
-  at::parallel_for(0, static_cast<int64_t>(n_in), 1, [&](int64_t i0, int64_t i1) {
+  // One task per input; each owns its rows, so no two threads write one element. Less
+  // than kGrainBytes of gradient in all runs inline (no thread to wake).
+  int64_t bytes = 0;
+  for (const auto& segments : by_input) {
+    for (const Segment* s : segments) bytes += k.batch * s->length * int64_t(sizeof(scalar_t));
+  }
+  const int64_t grain = bytes < kGrainBytes ? std::max<int64_t>(1, int64_t(n_in)) : 1;
+  at::parallel_for(0, static_cast<int64_t>(n_in), grain, [&](int64_t i0, int64_t i1) {
     std::vector<acc_t> acc;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t rows = in_rows[i], width = in_lengths[i];
