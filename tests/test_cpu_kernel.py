@@ -690,8 +690,27 @@ def _narrow_layout(top=131):
         lengths=[list(range(1, top, 2)), list(range(2, top, 2))], groups=groups)
 
 
+# Serving-style keys of one width per input (2, 4, 8 and 16 columns): runs of copies that
+# write back to back, whose 16-byte copies (8 bf16 columns, 4 float32, ...) go in pairs;
+# runs of odd and even length, runs cut where a group leaves the output order, and a
+# duplicated key inside a run.
+def _uniform_layout():
+    import random
+
+    widths = {2: 7, 4: 9, 8: 11, 16: 5}
+    keys = [[f"c{w}_{k}" for k in range(n)] for w, n in widths.items()]
+    in_order = [k for ks in keys for k in ks]
+    shuffled = list(in_order)
+    random.Random(0).shuffle(shuffled)
+    groups = [in_order[::2], shuffled[:20], in_order[1::2][::-1]]
+    groups[0][5:5] = [groups[0][4]]  # a duplicate right after itself
+    return SMALL_LAYOUT._replace(
+        keys=keys, lengths=[[w] * n for w, n in widths.items()], groups=groups)
+
+
 NARROW_LAYOUT = _narrow_layout()
-NARROW_LAYOUTS = [NARROW_LAYOUT, _narrow_layout(41)]
+NARROW_LAYOUTS = [NARROW_LAYOUT, _narrow_layout(41), _uniform_layout()]
+NARROW_IDS = ["1-130", "1-40", "uniform"]
 ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
               torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
               torch.complex128]
@@ -717,7 +736,7 @@ def _same_bits(got, want):
 @needs_cpu_kernel
 @pytest.mark.parametrize("batch", [0, 1, 3, 32, 513])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_ids)
-@pytest.mark.parametrize("layout", NARROW_LAYOUTS, ids=["1-130", "1-40"])
+@pytest.mark.parametrize("layout", NARROW_LAYOUTS, ids=NARROW_IDS)
 def test_narrow_widths_copy_every_bit(batch, dtype, layout):
     gen = torch.Generator().manual_seed(batch)
     args = _metadata(layout, coalesced=False)
@@ -739,10 +758,42 @@ def test_narrow_widths_copy_every_bit(batch, dtype, layout):
         _same_bits(OP(values, *args), permute_multi_embedding_reference(values, *args))
 
 
+# Rows of 32 KiB and more are copied in input order, shorter ones in output order: a
+# layout whose float64 and float32 rows are past that size and whose bf16 rows are not.
+def _long_row_layout():
+    import random
+
+    widths = {16: 200, 128: 60, 3: 100}
+    keys = [[f"l{w}_{k}" for k in range(n)] for w, n in widths.items()]
+    in_order = [k for ks in keys for k in ks]
+    shuffled = list(in_order)
+    random.Random(1).shuffle(shuffled)
+    groups = [in_order[::2], shuffled[:150] + in_order[:2], in_order[1::2][::-1]]
+    return SMALL_LAYOUT._replace(
+        keys=keys, lengths=[[w] * n for w, n in widths.items()], groups=groups)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=dtype_ids)
+def test_long_and_short_rows_copy_every_bit(dtype):
+    layout = _long_row_layout()
+    args = _metadata(layout, coalesced=False)
+    row_bytes = sum(args[3]) * dtype.itemsize
+    assert (row_bytes >= 32 << 10) == (dtype != torch.bfloat16), row_bytes
+    gen = torch.Generator().manual_seed(3)
+    values = [_random_bits(33, w, dtype, gen, 5) for w in layout.in_widths]
+    want = permute_multi_embedding_reference(values, *args)
+    _same_bits(OP(values, *args), want)
+    bases = [_random_bits(33, n + 9, dtype, gen) for n in args[3]]
+    outs = [b[:, 3:3 + n] for b, n in zip(bases, args[3])]
+    INTO_OP(values, *args[:3], outs)
+    _same_bits(outs, want)
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("batch", [0, 1, 3, 32, 513])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_ids)
-@pytest.mark.parametrize("layout", NARROW_LAYOUTS, ids=["1-130", "1-40"])
+@pytest.mark.parametrize("layout", NARROW_LAYOUTS, ids=NARROW_IDS)
 def test_narrow_widths_backward_matches_reference(batch, dtype, layout):
     # duplicated keys (sums), unused columns (zeros), a missing gradient, stride-0 and
     # row-strided gradients, and the fused cast's backward (float32 gradients)
