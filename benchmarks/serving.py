@@ -1,7 +1,8 @@
 """Serving as deployed: the over-arch-input model of examples/deploy.py, per request.
 
 The model builds two ``KeyedTensor`` s from its two input tensors and regroups them, in
-two layouts: ``serving`` (27 keys) and ``narrow`` (100 keys of 8-16 columns). Forms:
+two layouts: ``serving`` (27 keys) and ``narrow`` (100 keys of 8-16 columns; also in
+bf16, eager only). Forms:
 Python eager; an AOTInductor package (``aoti_load_package``); with ``--full`` also traced
 with torchrec's fx tracer, scripted, saved and loaded (``torch.jit.load``), and the
 scripted file called from C++ (examples/cpp_predictor, built with cmake when cmake is
@@ -25,8 +26,10 @@ KT, TORCHREC, CLONE = "kt_regroup", "torchrec.KTRegroupAsDict [fbgemm]", "clone 
 READY = "kt_regroup.KTRegroupAsDict (ready KeyedTensors)"
 BARE = "kt_regroup op (bare)"
 INTO = "kt_regroup op, permute_multi_embedding_into (warm outputs)"
-# The serving layout (27 keys) and a narrow-key one, as CPU serving layouts go.
-LAYOUTS = {"serving": SERVING, "narrow": NARROW}
+# The serving layout (27 keys) and a narrow-key one, as CPU serving layouts go; the
+# narrow one also in bf16 (16-byte copies), eager only.
+LAYOUTS = {"serving": (SERVING, torch.float32), "narrow": (NARROW, torch.float32),
+           "narrow bf16": (NARROW, torch.bfloat16)}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -62,8 +65,8 @@ def _models(keys, lengths, groups) -> Dict[str, torch.nn.Module]:
     return models
 
 
-def _inputs(lengths, batch: int) -> List[torch.Tensor]:
-    return _formula([(batch, sum(w)) for w in lengths])
+def _inputs(lengths, batch: int, dtype: torch.dtype = torch.float32) -> List[torch.Tensor]:
+    return [t.to(dtype) for t in _formula([(batch, sum(w)) for w in lengths])]
 
 
 def _formula(shapes) -> List[torch.Tensor]:
@@ -154,13 +157,14 @@ def run(*, quick: bool, full: bool = False, out_dir: str) -> Dict[str, object]:
                      "(a compile per layout, and milliseconds a call: see --full)")
         notes.append("the narrow layout runs eager only in the default run (AOTInductor "
                      "compiles per model: see --full)")
-    for name, sizes in LAYOUTS.items():
-        layout_forms = forms if name == "serving" or quick or full else ["eager"]
-        records += _run_layout(name, sizes, layout_forms, quick, full, exe, out_dir)
+    for name, (sizes, dtype) in LAYOUTS.items():
+        layout_forms = (["eager"] if dtype != torch.float32
+                        else forms if name == "serving" or quick or full else ["eager"])
+        records += _run_layout(name, sizes, dtype, layout_forms, quick, full, exe, out_dir)
     return {"records": records, "notes": notes}
 
 
-def _run_layout(layout, sizes, forms, quick, full, exe, out_dir) -> List[dict]:
+def _run_layout(layout, sizes, dtype, forms, quick, full, exe, out_dir) -> List[dict]:
     import kt_regroup
 
     keys, lengths, groups = make_layout(**sizes, scattered=True, duplicates=False)
@@ -168,7 +172,8 @@ def _run_layout(layout, sizes, forms, quick, full, exe, out_dir) -> List[dict]:
     models = {**_models(keys, lengths, groups), CLONE: CloneOutputs()}
     rounds, target = (2, 0.002) if quick else (7, 0.05)  # seconds of calls per sample
     with torch.inference_mode():
-        outputs = {b: [t.clone() for t in models[KT](*_inputs(lengths, b))] for b in (32, 512)}
+        outputs = {b: [t.clone() for t in models[KT](*_inputs(lengths, b, dtype))]
+                   for b in (32, 512)}
     built: Dict[str, Dict[str, object]] = {f: {} for f in forms}
     errors: Dict[str, Dict[str, str]] = {f: {} for f in forms}
     for form in forms:  # each model in each form once: every batch size calls it
@@ -176,7 +181,7 @@ def _run_layout(layout, sizes, forms, quick, full, exe, out_dir) -> List[dict]:
         for name, model in models.items():
             if form == "aoti" and name == TORCHREC and not full:
                 continue
-            example = outputs[32] if name == CLONE else _inputs(lengths, 32)
+            example = outputs[32] if name == CLONE else _inputs(lengths, 32, dtype)
             try:
                 built[form][name] = _build(form, model, example, os.path.join(
                     out_dir, f"serving_{layout}_{name.split('.')[0].split()[0]}"))
@@ -184,7 +189,7 @@ def _run_layout(layout, sizes, forms, quick, full, exe, out_dir) -> List[dict]:
                 errors[form][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     records = []
     for batch in (32, 512):
-        inputs, want = _inputs(lengths, batch), outputs[batch]
+        inputs, want = _inputs(lengths, batch, dtype), outputs[batch]
         for form in forms:
             args = {name: want if name == CLONE else inputs for name in built[form]}
             if form == "c++ scripted":
@@ -205,7 +210,8 @@ def _run_layout(layout, sizes, forms, quick, full, exe, out_dir) -> List[dict]:
             records += _time_form(form, batch, fns, dict(errors[form]), want, rounds, target,
                                   exe)
     for r in records:
-        r.update(layout=layout, keys=sum(len(k) for k in keys), segments=segments(plan),
+        r.update(layout=layout, dtype=str(dtype).replace("torch.", ""),
+                 keys=sum(len(k) for k in keys), segments=segments(plan),
                  threads=torch.get_num_threads())
     return records
 

@@ -100,8 +100,9 @@ def test_serving_forms_and_rows(quick):
     data, _, _ = quick
     records = data["sections"]["serving"]["records"]
     cells = {(r["layout"], r["form"], r["batch_size"]) for r in records}
-    assert cells == {(lay, f, b) for lay in serving.LAYOUTS for f in ("eager", "scripted")
-                     for b in (32, 512)}
+    assert cells == {(lay, f, b) for lay, (_, dtype) in serving.LAYOUTS.items()
+                     for f in ("eager", "scripted") for b in (32, 512)
+                     if f == "eager" or dtype == torch.float32}
     for layout, form, batch in cells:
         rows = {r["provider"]: r for r in records
                 if (r["layout"], r["form"], r["batch_size"]) == (layout, form, batch)}
@@ -113,7 +114,8 @@ def test_serving_forms_and_rows(quick):
         for r in rows.values():
             assert r["check"] == "ok", (layout, form, batch, r["provider"], r["check"])
             assert r["call_s"] > 0 and r["vs_clone"] > 0
-        assert rows[serving.KT]["keys"] == {"serving": 27, "narrow": 100}[layout]
+        assert rows[serving.KT]["keys"] == {"serving": 27, "narrow": 100, "narrow bf16": 100}[layout]
+        assert rows[serving.KT]["dtype"] == ("bfloat16" if "bf16" in layout else "float32")
 
 
 def test_op_table_every_mode_and_provider(quick):

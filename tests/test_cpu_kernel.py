@@ -691,9 +691,8 @@ def _narrow_layout(top=131):
 
 
 # Serving-style keys of one width per input (2, 4, 8 and 16 columns): runs of copies that
-# write back to back, whose 16-byte copies (8 bf16 columns, 4 float32, ...) go in pairs;
-# runs of odd and even length, runs cut where a group leaves the output order, and a
-# duplicated key inside a run.
+# write back to back (only their sources read); runs of odd and even length, runs cut
+# where a group leaves the output order, and a duplicated key inside a run.
 def _uniform_layout():
     import random
 

@@ -218,8 +218,7 @@ void permute_convert_into(
 // program compiled per plan and element size: per batch row, runs of copies that read
 // one input, write one output and share one byte width; a run of a common width copies
 // with a fixed-size move (straight vector loads and stores), the rest with copy_segment.
-// A run whose copies write back to back reads only their sources, and pairs its 16-byte
-// copies into 32-byte writes.
+// A run whose copies write back to back reads only their sources.
 // On CPUs with AVX2 the program runs as a second compilation of itself that moves 32
 // bytes at a time (run_program_rows_avx2).
 
@@ -311,7 +310,6 @@ ForwardProgram compile_forward(const std::vector<Segment>& segments, int64_t es,
 // 32 bytes as one value: one move where the function is compiled for AVX2, two 16-byte
 // moves elsewhere (GCC expands a 32-byte memcpy as two 16-byte moves even with AVX2).
 typedef long long Bytes32 __attribute__((vector_size(32), may_alias, aligned(1)));
-typedef long long Bytes16 __attribute__((vector_size(16), may_alias, aligned(1)));
 #define KT_BYTES32 1
 #else
 #define KT_INLINE inline
@@ -343,18 +341,7 @@ KT_INLINE void copy_fixed(
     char* dst, const char* src, const CopyOp* op, int64_t count, bool contiguous) {
   if (contiguous) {
     char* d = dst + op[0].dst;
-    int64_t k = 0;
-#if defined(KT_BYTES32) && defined(__clang__) || __GNUC__ >= 12
-    if constexpr (N == 16) {
-      // Two 16-byte reads, one 32-byte write (two writes without AVX2).
-      for (; k + 2 <= count; k += 2, d += 32) {
-        const Bytes16 a = *reinterpret_cast<const Bytes16*>(src + op[k].src);
-        const Bytes16 b = *reinterpret_cast<const Bytes16*>(src + op[k + 1].src);
-        *reinterpret_cast<Bytes32*>(d) = __builtin_shufflevector(a, b, 0, 1, 2, 3);
-      }
-    }
-#endif
-    for (; k < count; ++k, d += N) move_fixed<N>(d, src + op[k].src);
+    for (int64_t k = 0; k < count; ++k, d += N) move_fixed<N>(d, src + op[k].src);
   } else {
     for (int64_t k = 0; k < count; ++k) move_fixed<N>(dst + op[k].dst, src + op[k].src);
   }
