@@ -20,7 +20,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --upgrade pip
   # --no-compile, then compileall on every core: pip compiles one file at a time (~40 s on
   # 2 cores against ~12 s). The bytecode is written here, not left to the first import:
-  # under PYTHONDONTWRITEBYTECODE (set on many CI machines) every process would parse
+  # under PYTHONDONTWRITEBYTECODE (set on our CI machine) every process would parse
   # torch and torchrec again (`import torchrec` 10.7 s against 2.9 s).
   python -m pip install -q --no-compile -c requirements/constraints.txt -r requirements/cpu.txt
   python -m pip install -q --no-compile --no-deps torchrec==1.9.2
