@@ -789,6 +789,23 @@ def test_long_and_short_rows_copy_every_bit(dtype):
     _same_bits(outs, want)
 
 
+# Narrow copies go four rows at a time; each thread's share of the rows starts anywhere
+# and ends with the rows left over.
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32], ids=dtype_ids)
+@pytest.mark.parametrize("layout", NARROW_LAYOUTS[1:], ids=NARROW_IDS[1:])
+def test_narrow_rows_split_across_threads_copy_every_bit(four_threads, dtype, layout):
+    args = _metadata(layout, coalesced=False)
+    gen = torch.Generator().manual_seed(4)
+    for batch in (777, 1023):
+        values = [_random_bits(batch, w, dtype, gen, 3) for w in layout.in_widths]
+        want = permute_multi_embedding_reference(values, *args)
+        _same_bits(OP(values, *args), want)
+        outs = [_random_bits(batch, n, dtype, gen) for n in args[3]]
+        INTO_OP(values, *args[:3], outs)
+        _same_bits(outs, want)
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("batch", [0, 1, 3, 32, 513])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_ids)
