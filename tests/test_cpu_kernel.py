@@ -649,18 +649,27 @@ def test_one_module_from_8_threads_forward_and_backward(four_threads):
     assert failures == []
 
 
+# Keys of 130, 257 and 3 columns: copies of hundreds of bytes whose edges fall inside
+# cache lines (streamed whole lines, normal stores at the edges), with a duplicated key.
+WIDE_ODD_LAYOUT = SMALL_LAYOUT._replace(
+    keys=[["p", "q", "r"], ["s", "t"]], lengths=[[130, 257, 3], [131, 64]],
+    groups=[["t", "p", "r", "q"], ["s", "q"]])
+
+
 @needs_cpp_autograd
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_ids)
-def test_streaming_stores_past_32mib_match_the_oracle(dtype):
+@pytest.mark.parametrize("layout", [SMALL_LAYOUT, WIDE_ODD_LAYOUT], ids=["small", "wide-odd"])
+def test_streaming_stores_past_32mib_match_the_oracle(dtype, layout):
     # Outputs and gradients past 32 MiB (in huge pages, or the _into op's) are written
-    # with non-temporal stores; odd widths
-    # (1, 3, 7, 127) put segment edges off 16-byte alignment.
-    batch = (33 << 20) // (139 * dtype.itemsize)
-    values = make_values(SMALL_LAYOUT, batch, dtype, requires_grad=True, seed=8)
-    args = _metadata(SMALL_LAYOUT, coalesced=False)
+    # with non-temporal stores on any machine; odd widths (1, 3, 7, 127, 130) put segment
+    # edges off 16-byte alignment.
+    width = sum(get_plan(*layout).out_lengths)
+    batch = (33 << 20) // (width * dtype.itemsize) + 1
+    values = make_values(layout, batch, dtype, requires_grad=True, seed=8)
+    args = _metadata(layout, coalesced=False)
     outs = OP(values, *args)
     assert sum(o.nbytes for o in outs) >= 32 << 20
-    assert_same_list(outs, expected_regroup(values, SMALL_LAYOUT))
+    assert_same_list(outs, expected_regroup(values, layout))
     into = [torch.full_like(o, 7) for o in outs]  # caller-owned memory streams too
     INTO_OP([v.detach() for v in values], *args[:3], into)
     assert_same_list(into, outs)
@@ -669,7 +678,7 @@ def test_streaming_stores_past_32mib_match_the_oracle(dtype):
         dense = [_dyadic(batch, n, dtype, gen) for n in args[3]]
         grads = [_strided_grad(kind, batch, n, v) for n, v in zip(args[3], dense)]
         got = torch.autograd.grad(outs, values, grads, retain_graph=True)
-        assert_same_list(got, _oracle_backward(SMALL_LAYOUT, grads, batch, dtype))
+        assert_same_list(got, _oracle_backward(layout, grads, batch, dtype))
 
 
 # --- narrow segments: the forward's copy program ----------------------------------------

@@ -19,10 +19,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 #include <iterator>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -54,10 +56,12 @@ inline void copy_segment(char* dst, const char* src, int64_t n) {
 
 #if defined(__SSE2__)
 // copy_segment with non-temporal (streaming) stores: the destination's cache lines are
-// not read first (no read-for-ownership) and do not evict the rows being read. A thread
-// ends its streaming with stream_fence().
+// not read first (no read-for-ownership) and do not evict the rows being read. Only whole
+// 64-byte lines stream; a segment's partial first and last lines take normal stores, so
+// no line gets both kinds (a line written both ways measured 2.3x the time of normal
+// stores: 130-column float32 keys, 69 MB). A thread ends its streaming with stream_fence().
 inline void stream_segment(char* dst, const char* src, int64_t n) {
-  const int64_t head = std::min<int64_t>(n, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
+  const int64_t head = std::min<int64_t>(n, (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63);
   copy_segment(dst, src, head);
   dst += head, src += head, n -= head;
   for (; n >= 64; n -= 64, dst += 64, src += 64) {
@@ -70,28 +74,26 @@ inline void stream_segment(char* dst, const char* src, int64_t n) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
     _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
   }
-  for (; n >= 16; n -= 16, dst += 16, src += 16) {
-    _mm_stream_si128(
-        reinterpret_cast<__m128i*>(dst), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  }
   copy_segment(dst, src, n);
 }
 inline void stream_fence() {
   _mm_sfence();
 }
-// std::fill_n with streaming stores (element sizes dividing 16 bytes).
+// std::fill_n with streaming stores of whole lines (element sizes dividing 16 bytes).
 template <typename T>
 void stream_fill(T* d, int64_t n, T value) {
   static_assert(16 % sizeof(T) == 0);
-  int64_t head = ((16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15) / int64_t(sizeof(T));
+  int64_t head = ((64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63) / int64_t(sizeof(T));
   if (reinterpret_cast<uintptr_t>(d) % sizeof(T) != 0 || head > n) head = n;
   std::fill_n(d, head, value);
   d += head, n -= head;
   alignas(16) T pattern[16 / sizeof(T)];
   std::fill_n(pattern, 16 / sizeof(T), value);
   const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(pattern));
-  constexpr int64_t per = 16 / sizeof(T);
-  for (; n >= per; n -= per, d += per) _mm_stream_si128(reinterpret_cast<__m128i*>(d), v);
+  constexpr int64_t per = 64 / sizeof(T);
+  for (; n >= per; n -= per, d += per) {
+    for (int q = 0; q < 4; ++q) _mm_stream_si128(reinterpret_cast<__m128i*>(d) + q, v);
+  }
   std::fill_n(d, n, value);
 }
 #else
@@ -105,16 +107,56 @@ inline void stream_segment(char* dst, const char* src, int64_t n) {
 inline void stream_fence() {}
 #endif
 
-// Copies that write more than this stream their stores (stream_segment): far past any
-// last-level cache, where the output would not stay cached anyway.
-constexpr int64_t kStreamBytes = int64_t(32) << 20;
+// The size of the last-level cache one core reaches (Linux sysfs; 0 where unknown). Not
+// sysconf(_SC_LEVEL3_CACHE_SIZE): on AMD EPYC it is the sum over every core complex, 10x
+// the 32 MiB a core can use.
+int64_t last_level_cache_bytes() {
+  int top = 0;
+  int64_t bytes = 0;
+  for (int i = 0; i < 16; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int level = 0;
+    int64_t size = 0;
+    std::string unit;
+    if (!(level_file >> level) || !(size_file >> size)) continue;
+    size_file >> unit;  // "32768K"
+    const int64_t scale = unit == "K" ? 1 << 10 : unit == "M" ? 1 << 20 : unit == "G" ? 1 << 30 : 1;
+    if (level > top) top = level, bytes = size * scale;
+  }
+  return bytes;
+}
 
-// Whether a copy writing `bytes` streams its stores. Into memory whose pages exist (the
-// _into op's outs, blocks the output cache reused), streaming measured ~0.7-0.9x the time
-// of normal stores (scattered seed layout, 505 MB). Into fresh 4 KiB pages it measured no
-// faster, or slower: each page the fault has just zeroed is still cached.
-bool use_streaming(int64_t bytes, bool warm) {
-  return bytes >= kStreamBytes && warm;
+// Copies of at least kStreamCopyBytes on average that write at least this many bytes
+// stream their stores (stream_segment): a quarter of the last-level cache (the rows read
+// and written no longer fit in it), between 4 and 32 MiB; 32 MiB where the cache size is
+// unknown. On a 2-core AMD EPYC VM (32 MiB L3: from 8 MiB; 1 thread, `_into`), streamed /
+// normal stores, side by side: 0.48 at 9.8 MB (256-byte copies), 0.32 at 16 MB, 0.43 at
+// 27 MB, 0.40 at 32 MB (the seed layout, 512-byte copies), 0.43-0.56 at 8.6-17 MB
+// (520-byte copies); 1.0-1.1 below 8 MB (the rows stay cached).
+int64_t stream_bytes() {
+  static const int64_t bytes = [] {
+    const int64_t llc = last_level_cache_bytes();
+    return llc > 0 ? std::clamp<int64_t>(llc / 4, int64_t(4) << 20, int64_t(32) << 20)
+                   : int64_t(32) << 20;
+  }();
+  return bytes;
+}
+
+// Shorter copies are mostly partial lines, which take normal stores anyway: they take
+// the streaming path (its plain copy loop, each input read in order) from 32 MiB only,
+// where it measured 0.8x the time of the copy program for narrow keys (52 MB), and below
+// which it measured 1.2-3x.
+constexpr int64_t kStreamCopyBytes = 256;
+constexpr int64_t kStreamAnyBytes = int64_t(32) << 20;
+
+// Whether a copy writing `bytes` in copies of `copy_bytes` on average streams its stores.
+// Into memory whose pages exist (the _into op's outs, blocks the output cache reused)
+// only: into fresh 4 KiB pages it measured no faster, or slower (each page the fault has
+// just zeroed is still cached).
+bool use_streaming(int64_t bytes, int64_t copy_bytes, bool warm) {
+  return warm &&
+      (bytes >= kStreamAnyBytes || (bytes >= stream_bytes() && copy_bytes >= kStreamCopyBytes));
 }
 
 // Outputs [batch, n] for each n, zero-filled unless `tiled` (every column written);
@@ -524,7 +566,8 @@ void run_forward(
   for (at::Tensor& t : inputs) t = rows_readable(t);
   const int64_t bytes_per_row = program.bytes_per_row;
 
-  if (use_streaming(batch * bytes_per_row, warm)) {
+  if (use_streaming(
+          batch * bytes_per_row, bytes_per_row / static_cast<int64_t>(segments.size()), warm)) {
     struct Copy {
       const char* src;
       int64_t src_stride;
@@ -778,7 +821,8 @@ void backward_rows(
   constexpr bool kSame = std::is_same_v<dst_t, src_t>;
   constexpr int64_t es = sizeof(dst_t);
   // Past the caches: streaming stores for copies and fills (sums keep normal stores).
-  const bool stream = use_streaming(batch * bytes_per_row, warm);
+  const bool stream = use_streaming(
+      batch * bytes_per_row, bytes_per_row / std::max<int64_t>(1, blocks.size()), warm);
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (const GradBlock& g : blocks) {
