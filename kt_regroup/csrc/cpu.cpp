@@ -1,13 +1,14 @@
 // Native CPU kernels of torch.ops.kt_regroup.permute_multi_embedding{,_to,_into,_backward}.
 //
 // Forward is a row-major byte copy: for each batch row (rows split across threads),
-// copy every coalesced segment, so each output row is written sequentially. Backward
-// makes one pass per input-gradient row and writes each element once: a column block
-// with one contribution is copied (or filled, for a broadcast upstream gradient), one
-// with several (duplicated keys) is summed in row order, and only the columns no key
-// covers are zeroed. Upstream gradients are read with their own strides, stride 0
-// included, never materialised. Arguments are checked (ops.cpp) before any data is
-// touched.
+// copy every coalesced segment, run as a copy program compiled per plan. A backward that
+// is a copy (no duplicated keys, gradients of the input dtype with unit column stride)
+// runs the same program the other way. Any other backward makes one pass per
+// input-gradient row and writes each element once: a column block with one contribution
+// is copied (or filled, for a broadcast upstream gradient), one with several (duplicated
+// keys) is summed in row order, and only the columns no key covers are zeroed. Upstream
+// gradients are read with their own strides, stride 0 included, never materialised.
+// Arguments are checked (ops.cpp) before any data is touched.
 
 #include "kt_regroup.h"
 #include "cpu_memory.h"
@@ -866,6 +867,69 @@ void backward_rows(
   });
 }
 
+// The backward as the forward's copy program run the other way (upstream gradients in,
+// input gradients out), when it is a copy: every input-gradient column takes at most one
+// upstream column (no duplicated keys), of the same dtype, read with unit column stride.
+// Columns no key takes are zeros. Returns false, having written nothing, otherwise.
+// Side by side with the block loop (2 threads, the backward op, new / old): narrow keys
+// 0.29-0.46, the serving layout 0.57, the seed layout at B=1024 0.51.
+bool backward_by_program(
+    const TensorPtrs& grads,
+    const std::vector<Segment>& segments,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size,
+    const at::TensorOptions& options,
+    std::vector<at::Tensor>& out) {
+  for (const at::Tensor* g : grads) {
+    if (g && g->size(1) > 1 && g->stride(1) != 1) return false;
+  }
+  std::vector<Segment> copies;
+  copies.reserve(segments.size());
+  std::vector<int64_t> covered(in_lengths.size(), 0);
+  for (const Segment& s : segments) {
+    if (grads[s.out_t] == nullptr) continue;
+    copies.push_back(Segment{s.out_t, s.in_t, s.out_off, s.in_off, s.length});
+    covered[s.in_t] += s.length;
+  }
+  if (!writes_disjoint(copies)) return false;  // a duplicated key: sums
+  // Disjoint: a gradient whose columns add up to its width is written whole.
+  const bool tiled = std::equal(covered.begin(), covered.end(), in_lengths.begin());
+  bool warm = false;
+  out = new_outputs(batch_size, in_lengths, options, tiled, warm);
+  if (batch_size == 0 || copies.empty()) return true;
+  std::vector<at::Tensor> sources;
+  sources.reserve(grads.size());
+  for (const at::Tensor* g : grads) {
+    sources.push_back(g ? *g : at::empty({batch_size, 0}, options));
+  }
+  // The program of the last few gradient layouts (per thread, as the forward's plans).
+  struct Compiled {
+    std::vector<Segment> copies;
+    int64_t es = 0;
+    std::shared_ptr<const ForwardProgram> program;
+  };
+  thread_local Compiled cache[4];
+  thread_local size_t next = 0;
+  const int64_t es = c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  auto same = [&](const Compiled& c) {
+    return c.program && c.es == es && c.copies.size() == copies.size() &&
+        std::memcmp(c.copies.data(), copies.data(), copies.size() * sizeof(Segment)) == 0;
+  };
+  const Compiled* hit = std::find_if(std::begin(cache), std::end(cache), same);
+  if (hit == std::end(cache)) {
+    Compiled& c = cache[next];
+    next = (next + 1) % std::size(cache);
+    c.program =
+        std::make_shared<const ForwardProgram>(compile_forward(copies, es, /*reorder=*/true));
+    c.es = es;
+    c.copies = copies;
+    hit = &c;
+  }
+  const std::shared_ptr<const ForwardProgram> program = hit->program;
+  run_forward(sources, copies, *program, out, warm);
+  return true;
+}
+
 std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
     const c10::List<std::optional<at::Tensor>>& grad_outputs,
     const at::Tensor& permutes,
@@ -903,6 +967,14 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
       ? is_float(dtype) || c10::isIntegralType(dtype, /*includeBool=*/false)
       : is_float(dtype) && is_float(grad_dtype);
   if (!fast) return backward_by_segments(grads, segments, in_lengths, batch_size, dtype, device);
+  if (grad_dtype == dtype) {
+    std::vector<at::Tensor> out;
+    if (backward_by_program(
+            grads, segments, in_lengths, batch_size,
+            at::TensorOptions().dtype(dtype).device(device), out)) {
+      return out;
+    }
+  }
 
   bool warm = false;
   std::vector<at::Tensor> out = new_outputs(
