@@ -1,12 +1,13 @@
 // Native CPU kernels of torch.ops.kt_regroup.permute_multi_embedding{,_to,_into,_backward}.
 //
 // Forward is a row-major byte copy: for each batch row (rows split across threads),
-// copy every coalesced segment, run as a copy program compiled per plan. A backward that
-// is a copy (no duplicated keys, gradients of the input dtype with unit column stride)
-// runs the same program the other way. Any other backward makes one pass per
-// input-gradient row and writes each element once: a column block with one contribution
-// is copied (or filled, for a broadcast upstream gradient), one with several (duplicated
-// keys) is summed in row order, and only the columns no key covers are zeroed. Upstream
+// copy every coalesced segment, run as a copy program compiled per plan. The backward
+// runs the same program the other way for what is a copy (columns of an input gradient
+// that one upstream gradient of the same dtype, read with unit column stride, feeds);
+// the rest goes through a block loop that writes each element once, right after the
+// copies of the same rows: a column block with several contributions (duplicated keys)
+// is summed in row order, one read with other strides is copied (or filled, for a
+// broadcast upstream gradient), and only the columns no key covers are zeroed. Upstream
 // gradients are read with their own strides, stride 0 included, never materialised.
 // Arguments are checked (ops.cpp) before any data is touched.
 
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -552,14 +554,31 @@ __attribute__((target("avx2"))) void run_program_rows_avx2(
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
+// copy(b0, b1), then after(b0, b1) when given, in steps of about kGrainBytes of rows.
+template <typename Copy>
+void in_steps(
+    int64_t b0, int64_t b1, int64_t bytes_per_row,
+    const std::function<void(int64_t, int64_t)>& after, const Copy& copy) {
+  if (!after) return copy(b0, b1);
+  const int64_t step = grain_rows(bytes_per_row);
+  for (int64_t s = b0; s < b1; s += step) {
+    const int64_t e = std::min(b1, s + step);
+    copy(s, e);
+    after(s, e);
+  }
+}
+
 // `warm`: the outputs' pages are faulted in (see use_streaming). The inputs have the
 // outputs' dtype (the fused cast sends other inputs to permute_convert_into).
+// `after(b0, b1)`, when given, runs on rows [b0, b1) right after the copies of those rows,
+// a few hundred KiB of rows at a time, while they are in cache (the backward's sums).
 void run_forward(
     at::TensorList pooled_embs,
     const std::vector<Segment>& segments,
     const ForwardProgram& program,
     at::TensorList outs,
-    bool warm) {
+    bool warm,
+    const std::function<void(int64_t, int64_t)>& after = {}) {
   const int64_t batch = pooled_embs[0].size(0);
   if (batch == 0 || segments.empty()) return;
   const int64_t es = outs[segments[0].out_t].element_size();
@@ -588,11 +607,13 @@ void run_forward(
           s.length * es});
     }
     at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        for (const Copy& c : copies) {
-          stream_segment(c.dst + b * c.dst_stride, c.src + b * c.src_stride, c.nbytes);
+      in_steps(b0, b1, bytes_per_row, after, [&](int64_t s0, int64_t s1) {
+        for (int64_t b = s0; b < s1; ++b) {
+          for (const Copy& c : copies) {
+            stream_segment(c.dst + b * c.dst_stride, c.src + b * c.src_stride, c.nbytes);
+          }
         }
-      }
+      });
       stream_fence();
     });
     return;
@@ -616,10 +637,12 @@ void run_forward(
                          in_base.data(), in_stride.data(), out_base.data(), out_stride.data()};
   const bool by_pass = program.in_passes;
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
+    in_steps(b0, b1, bytes_per_row, after, [&](int64_t s0, int64_t s1) {
 #if defined(KT_X86_AVX2)
-    if (kHasAvx2) return run_program_rows_avx2(rows, b0, b1, by_pass);
+      if (kHasAvx2) return run_program_rows_avx2(rows, s0, s1, by_pass);
 #endif
-    run_program_rows(rows, b0, b1, by_pass);
+      run_program_rows(rows, s0, s1, by_pass);
+    });
   });
 }
 
@@ -757,6 +780,8 @@ struct GradSource {
   const void* base;
   int64_t row_stride;
   int64_t col_stride;
+  int64_t grad;  // which upstream gradient, and its column `col`
+  int64_t col;
 };
 
 template <typename scalar_t>
@@ -812,97 +837,93 @@ void sum_sources(dst_t* d, const GradSource* src, int64_t count, int64_t numel, 
 // Gradients of `src_t` into input gradients of `dst_t`: the same type is a byte copy where
 // a block has one source; another (the fused cast's backward) converts each value.
 template <typename dst_t, typename src_t>
+void backward_row_range(
+    int64_t b0,
+    int64_t b1,
+    const std::vector<GradBlock>& blocks,
+    const std::vector<GradSource>& sources,
+    const std::vector<std::pair<char*, int64_t>>& dsts,  // input gradient: base, row stride
+    bool stream) {
+  constexpr bool kSame = std::is_same_v<dst_t, src_t>;
+  constexpr int64_t es = sizeof(dst_t);
+  for (int64_t b = b0; b < b1; ++b) {
+    for (const GradBlock& g : blocks) {
+      dst_t* d = reinterpret_cast<dst_t*>(dsts[g.out_i].first + b * dsts[g.out_i].second) +
+          g.dst_off;
+      if (g.count == 0) {  // columns of keys no group uses
+        std::memset(d, 0, g.numel * es);
+        continue;
+      }
+      const GradSource* src = sources.data() + g.first;
+      if (g.count == 1) {
+        const src_t* s = static_cast<const src_t*>(src->base) + b * src->row_stride;
+        if (g.unit && kSame) {
+          if (stream) {
+            stream_segment(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), g.numel * es);
+          } else {
+            copy_segment(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), g.numel * es);
+          }
+        } else if (g.unit) {
+          for (int64_t c = 0; c < g.numel; ++c) d[c] = grad_convert<dst_t>(s[c]);
+        } else if (src->col_stride == 0) {  // a broadcast row: out.sum() and friends
+          if (stream) {
+            stream_fill(d, g.numel, grad_convert<dst_t>(*s));
+          } else {
+            std::fill_n(d, g.numel, grad_convert<dst_t>(*s));
+          }
+        } else {
+          const int64_t cs = src->col_stride;
+          for (int64_t c = 0; c < g.numel; ++c) d[c] = grad_convert<dst_t>(s[c * cs]);
+        }
+        continue;
+      }
+      if (g.unit) {
+        sum_sources<dst_t, src_t, true>(d, src, g.count, g.numel, b);
+      } else {
+        sum_sources<dst_t, src_t, false>(d, src, g.count, g.numel, b);
+      }
+    }
+  }
+  if (stream) stream_fence();
+}
+
+// backward_row_range over all rows, on every thread.
+template <typename dst_t, typename src_t>
 void backward_rows(
     int64_t batch,
     const std::vector<GradBlock>& blocks,
     const std::vector<GradSource>& sources,
-    const std::vector<std::pair<char*, int64_t>>& dsts,  // input gradient: base, row stride
+    const std::vector<std::pair<char*, int64_t>>& dsts,
     int64_t bytes_per_row,
     bool warm) {
-  constexpr bool kSame = std::is_same_v<dst_t, src_t>;
-  constexpr int64_t es = sizeof(dst_t);
   // Past the caches: streaming stores for copies and fills (sums keep normal stores).
   const bool stream = use_streaming(
       batch * bytes_per_row, bytes_per_row / std::max<int64_t>(1, blocks.size()), warm);
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (const GradBlock& g : blocks) {
-        dst_t* d = reinterpret_cast<dst_t*>(dsts[g.out_i].first + b * dsts[g.out_i].second) +
-            g.dst_off;
-        if (g.count == 0) {  // columns of keys no group uses
-          std::memset(d, 0, g.numel * es);
-          continue;
-        }
-        const GradSource* src = sources.data() + g.first;
-        if (g.count == 1) {
-          const src_t* s = static_cast<const src_t*>(src->base) + b * src->row_stride;
-          if (g.unit && kSame) {
-            if (stream) {
-              stream_segment(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), g.numel * es);
-            } else {
-              copy_segment(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), g.numel * es);
-            }
-          } else if (g.unit) {
-            for (int64_t c = 0; c < g.numel; ++c) d[c] = grad_convert<dst_t>(s[c]);
-          } else if (src->col_stride == 0) {  // a broadcast row: out.sum() and friends
-            if (stream) {
-              stream_fill(d, g.numel, grad_convert<dst_t>(*s));
-            } else {
-              std::fill_n(d, g.numel, grad_convert<dst_t>(*s));
-            }
-          } else {
-            const int64_t cs = src->col_stride;
-            for (int64_t c = 0; c < g.numel; ++c) d[c] = grad_convert<dst_t>(s[c * cs]);
-          }
-          continue;
-        }
-        if (g.unit) {
-          sum_sources<dst_t, src_t, true>(d, src, g.count, g.numel, b);
-        } else {
-          sum_sources<dst_t, src_t, false>(d, src, g.count, g.numel, b);
-        }
-      }
-    }
-    if (stream) stream_fence();
+    backward_row_range<dst_t, src_t>(b0, b1, blocks, sources, dsts, stream);
   });
 }
 
-// The backward as the forward's copy program run the other way (upstream gradients in,
-// input gradients out), when it is a copy: every input-gradient column takes at most one
-// upstream column (no duplicated keys), of the same dtype, read with unit column stride.
-// Columns no key takes are zeros. Returns false, having written nothing, otherwise.
-// Side by side with the block loop (2 threads, the backward op, new / old): narrow keys
-// 0.29-0.46, the serving layout 0.57, the seed layout at B=1024 0.51.
-bool backward_by_program(
+// Copies from upstream gradients to input gradients (Segment: in_t a gradient, out_t an
+// input gradient; disjoint writes) with the forward's copy program, compiled once per
+// layout and element size (per thread, as the forward's plans).
+void run_copies(
     const TensorPtrs& grads,
-    const std::vector<Segment>& segments,
-    c10::IntArrayRef in_lengths,
+    const std::vector<Segment>& copies,
     int64_t batch_size,
     const at::TensorOptions& options,
-    std::vector<at::Tensor>& out) {
-  for (const at::Tensor* g : grads) {
-    if (g && g->size(1) > 1 && g->stride(1) != 1) return false;
-  }
-  std::vector<Segment> copies;
-  copies.reserve(segments.size());
-  std::vector<int64_t> covered(in_lengths.size(), 0);
-  for (const Segment& s : segments) {
-    if (grads[s.out_t] == nullptr) continue;
-    copies.push_back(Segment{s.out_t, s.in_t, s.out_off, s.in_off, s.length});
-    covered[s.in_t] += s.length;
-  }
-  if (!writes_disjoint(copies)) return false;  // a duplicated key: sums
-  // Disjoint: a gradient whose columns add up to its width is written whole.
-  const bool tiled = std::equal(covered.begin(), covered.end(), in_lengths.begin());
-  bool warm = false;
-  out = new_outputs(batch_size, in_lengths, options, tiled, warm);
-  if (batch_size == 0 || copies.empty()) return true;
+    at::TensorList out,
+    bool warm,
+    const std::function<void(int64_t, int64_t)>& after = {}) {
+  if (batch_size == 0 || copies.empty()) return;
+  // Gradients no copy reads (None, or read by the block loop) stand in as [batch, 0].
+  std::vector<char> read(grads.size(), 0);
+  for (const Segment& c : copies) read[c.in_t] = 1;
   std::vector<at::Tensor> sources;
   sources.reserve(grads.size());
-  for (const at::Tensor* g : grads) {
-    sources.push_back(g ? *g : at::empty({batch_size, 0}, options));
+  for (size_t j = 0; j < grads.size(); ++j) {
+    sources.push_back(read[j] ? *grads[j] : at::empty({batch_size, 0}, options));
   }
-  // The program of the last few gradient layouts (per thread, as the forward's plans).
   struct Compiled {
     std::vector<Segment> copies;
     int64_t es = 0;
@@ -926,7 +947,40 @@ bool backward_by_program(
     hit = &c;
   }
   const std::shared_ptr<const ForwardProgram> program = hit->program;
-  run_forward(sources, copies, *program, out, warm);
+  run_forward(sources, copies, *program, out, warm, after);
+}
+
+// The backward as the forward's copy program run the other way (upstream gradients in,
+// input gradients out), when it is a copy: every input-gradient column takes at most one
+// upstream column (no duplicated keys), of the same dtype, read with unit column stride.
+// Columns no key takes are zeros. Returns false, having written nothing, otherwise.
+// Side by side with the block loop (2 threads, the backward op, new / old): narrow keys
+// 0.29-0.46, the serving layout 0.57, the seed layout at B=1024 0.51. Skips the block
+// list that the general path below builds per call.
+bool backward_by_program(
+    const TensorPtrs& grads,
+    const std::vector<Segment>& segments,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size,
+    const at::TensorOptions& options,
+    std::vector<at::Tensor>& out) {
+  for (const at::Tensor* g : grads) {
+    if (g && g->size(1) > 1 && g->stride(1) != 1) return false;
+  }
+  std::vector<Segment> copies;
+  copies.reserve(segments.size());
+  std::vector<int64_t> covered(in_lengths.size(), 0);
+  for (const Segment& s : segments) {
+    if (grads[s.out_t] == nullptr) continue;
+    copies.push_back(Segment{s.out_t, s.in_t, s.out_off, s.in_off, s.length});
+    covered[s.in_t] += s.length;
+  }
+  if (!writes_disjoint(copies)) return false;  // a duplicated key: sums
+  // Disjoint: a gradient whose columns add up to its width is written whole.
+  const bool tiled = std::equal(covered.begin(), covered.end(), in_lengths.begin());
+  bool warm = false;
+  out = new_outputs(batch_size, in_lengths, options, tiled, warm);
+  run_copies(grads, copies, batch_size, options, out, warm);
   return true;
 }
 
@@ -1056,15 +1110,49 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
         g.unit = g.unit && (cs == 1 || g.numel == 1);
         sources.push_back(GradSource{
             static_cast<const char*>(src.const_data_ptr()) + p.out_off * cs * grad_es, src.stride(0),
-            cs});
+            cs, p.out_t, p.out_off});
       }
       blocks.push_back(g);
       k = end;
     }
   }
   if (grad_dtype == dtype) {
+    // Blocks of one source with unit stride go to the copy program; sums (duplicated
+    // keys), zeros, strided and broadcast sources to the block loop, which then writes
+    // only their columns.
+    std::vector<Segment> copies;
+    std::vector<GradBlock> rest;
+    int64_t rest_bytes = 0;  // per row
+    auto unit_columns = [&](int64_t j) {
+      return readable[j].size(1) <= 1 || readable[j].stride(1) == 1;
+    };
+    for (const GradBlock& g : blocks) {
+      const GradSource& src = sources[g.first];
+      if (g.count == 1 && g.unit && unit_columns(src.grad)) {
+        copies.push_back(Segment{src.grad, g.out_i, src.col, g.dst_off, g.numel});
+      } else {
+        rest.push_back(g);
+        rest_bytes += g.numel * es;
+      }
+    }
+    std::vector<const at::Tensor*> grad_ptrs(readable.size());
+    for (size_t j = 0; j < readable.size(); ++j) {
+      grad_ptrs[j] = readable[j].defined() ? &readable[j] : nullptr;
+    }
     AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
-      backward_rows<scalar_t, scalar_t>(batch_size, blocks, sources, dsts, bytes_per_row, warm);
+      if (copies.empty()) {
+        return backward_rows<scalar_t, scalar_t>(batch_size, rest, sources, dsts, rest_bytes, warm);
+      }
+      // The rest of each row right after its copies, while the row is in cache.
+      std::function<void(int64_t, int64_t)> after;
+      if (!rest.empty()) {
+        after = [&](int64_t b0, int64_t b1) {
+          backward_row_range<scalar_t, scalar_t>(b0, b1, rest, sources, dsts, /*stream=*/false);
+        };
+      }
+      run_copies(
+          grad_ptrs, copies, batch_size, at::TensorOptions().dtype(dtype).device(device), out,
+          warm, after);
     });
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
