@@ -815,6 +815,24 @@ def test_narrow_rows_split_across_threads_copy_every_bit(four_threads, dtype, la
         _same_bits(outs, want)
 
 
+# On CPUs with AVX2 the copy program runs as a second build (32-byte moves); the
+# baseline build (16-byte moves), which other CPUs run, gets the same tests in a process
+# started with KT_REGROUP_AVX2=0.
+@needs_cpu_kernel
+def test_baseline_build_of_the_copy_program_passes_the_same_tests():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KT_REGROUP_AVX2="0")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "narrow or long_and_short or split_across or streaming or bit_identical"],
+        env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-500:]
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("batch", [0, 1, 3, 32, 513])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_ids)

@@ -551,7 +551,11 @@ __attribute__((target("avx2"))) void run_program_rows_avx2(
     const ProgramRows& p, int64_t b0, int64_t b1, bool by_pass) {
   program_rows<32>(p, b0, b1, by_pass);
 }
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+// KT_REGROUP_AVX2=0 runs the baseline build on any CPU (the tests check both builds).
+const bool kHasAvx2 = __builtin_cpu_supports("avx2") && [] {
+  const char* v = std::getenv("KT_REGROUP_AVX2");
+  return !(v && std::strcmp(v, "0") == 0);
+}();
 #endif
 
 // copy(b0, b1), then after(b0, b1) when given, in steps of about kGrainBytes of rows.
