@@ -8,6 +8,7 @@ variables refuse what they cannot read, naming the variable.
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -136,8 +137,11 @@ DEFAULT_LIMIT = 2 << 30
     ({"KT_REGROUP_CPU_CACHE_MB": "1.5"}, f"{DEFAULT_LIMIT} False", "KT_REGROUP_CPU_CACHE_MB"),
     ({"KT_REGROUP_CPU_CACHE_MB": "-1"}, f"{DEFAULT_LIMIT} False", "KT_REGROUP_CPU_CACHE_MB"),
     ({"KT_REGROUP_HUGE_PAGES": "maybe"}, f"{DEFAULT_LIMIT} False", "KT_REGROUP_HUGE_PAGES"),
+    pytest.param({"KT_REGROUP_AVX2": "maybe"}, f"{DEFAULT_LIMIT} False", "KT_REGROUP_AVX2",
+                 marks=pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                                          reason="read only where there is an AVX2 build")),
 ], ids=["max-mib", "huge-true", "huge-Off", "mib-2^44", "mib-2^63", "mib-2G", "mib-1.5",
-        "mib-negative", "huge-maybe"])
+        "mib-negative", "huge-maybe", "avx2-maybe"])
 def test_the_environment_refuses_what_it_cannot_read_naming_the_variable(env, want, warned):
     done = _cpu_memory_in_a_child(env)
     assert done.stdout.strip() == want, (env, done.stdout, done.stderr[-500:])

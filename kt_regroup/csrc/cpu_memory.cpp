@@ -25,6 +25,20 @@
 #endif
 
 namespace kt_regroup {
+
+bool env_flag(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  std::string s(v);
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s == "1" || s == "true" || s == "on" || s == "yes") return true;
+  if (s == "0" || s == "false" || s == "off" || s == "no") return false;
+  TORCH_WARN(
+      "kt_regroup: ignoring ", name, "='", v, "': expected 1 or 0 (or true/false, on/off, "
+      "yes/no); using the default, ", fallback ? "on" : "off");
+  return fallback;
+}
+
 namespace {
 
 constexpr size_t kPage = size_t(4) << 10;
@@ -47,22 +61,6 @@ int64_t env_cache_limit(int64_t fallback) {
     return fallback;
   }
   return static_cast<int64_t>(parsed) << 20;
-}
-
-// KT_REGROUP_HUGE_PAGES: 1/0, true/false, on/off, yes/no (any case); anything else is
-// ignored with a warning that names the variable.
-bool env_huge_pages() {
-  const char* name = "KT_REGROUP_HUGE_PAGES";
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return false;
-  std::string s(v);
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (s == "1" || s == "true" || s == "on" || s == "yes") return true;
-  if (s == "0" || s == "false" || s == "off" || s == "no") return false;
-  TORCH_WARN(
-      "kt_regroup: ignoring ", name, "='", v,
-      "': expected 1 or 0 (or true/false, on/off, yes/no); huge pages stay off");
-  return false;
 }
 
 // Blocks are whole mappings of their own (mmap/munmap where there is mmap): releasing one
@@ -104,7 +102,8 @@ struct Block {
 class BlockCache final : public c10::Allocator {
  public:
   BlockCache()
-      : limit_(env_cache_limit(int64_t(2048) << 20)), huge_(env_huge_pages()) {}
+      : limit_(env_cache_limit(int64_t(2048) << 20)),
+        huge_(env_flag("KT_REGROUP_HUGE_PAGES", false)) {}
 
   // A block of at least `nbytes`; `warm` tells whether it was reused.
   c10::DataPtr take(size_t nbytes, bool* warm) {

@@ -34,6 +34,10 @@ constexpr int64_t kCachedMinBytes = int64_t(4) << 20;
 at::Tensor empty_cpu(
     c10::IntArrayRef sizes, const c10::TensorOptions& options, bool* warm = nullptr);
 
+// A boolean environment variable: 1/0, true/false, on/off, yes/no (any case); unset or
+// empty gives `fallback`, anything else `fallback` with a warning naming the variable.
+bool env_flag(const char* name, bool fallback);
+
 // empty_cpu, zero-filled.
 at::Tensor zeros_cpu(
     c10::IntArrayRef sizes, const c10::TensorOptions& options, bool* warm = nullptr);
