@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Creates ./.venv with the pinned CPU stack and installs kt_regroup into it (editable),
 # which compiles the op library kt_regroup/_C.so. Re-running is cheap: it skips the
-# install while the requirement files, the build files and the C++ sources are unchanged.
+# install while this script, the requirement files, the build files and the C++ sources
+# are unchanged (a change to how it installs reinstalls an existing .venv too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.kt_regroup_installed
-want=$(find requirements/cpu.txt requirements/constraints.txt pyproject.toml setup.py kt_regroup/csrc -type f | sort | xargs cat | sha256sum | cut -d' ' -f1)
+want=$(find scripts/setup_env.sh requirements/cpu.txt requirements/constraints.txt pyproject.toml setup.py kt_regroup/csrc -type f | sort | xargs cat | sha256sum | cut -d' ' -f1)
 
 if [ ! -x .venv/bin/python ]; then
   echo "[kt_regroup] creating .venv"
