@@ -223,7 +223,7 @@ void permute_convert_into(
     at::TensorList outs) {
   const int64_t batch = pooled_embs[0].size(0);
   if (batch == 0 || segments.empty()) return;
-  std::vector<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
+  PerTensor<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
   for (at::Tensor& t : inputs) t = rows_readable(t);
   struct Convert {
     const src_t* src;
@@ -575,7 +575,7 @@ void run_forward(
   const int64_t batch = pooled_embs[0].size(0);
   if (batch == 0 || segments.empty()) return;
   const int64_t es = outs[segments[0].out_t].element_size();
-  std::vector<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
+  PerTensor<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
   for (at::Tensor& t : inputs) t = rows_readable(t);
   const int64_t bytes_per_row = program.bytes_per_row;
 
@@ -614,14 +614,14 @@ void run_forward(
 
   // Row 0 and the row stride of every input and output, in bytes.
   const size_t n_in = inputs.size(), n_out = outs.size();
-  std::vector<const char*> in_base(n_in);
-  std::vector<int64_t> in_stride(n_in);
+  PerTensor<const char*> in_base(n_in);
+  PerTensor<int64_t> in_stride(n_in);
   for (size_t i = 0; i < n_in; ++i) {
     in_base[i] = static_cast<const char*>(inputs[i].const_data_ptr());
     in_stride[i] = inputs[i].stride(0) * es;
   }
-  std::vector<char*> out_base(n_out);
-  std::vector<int64_t> out_stride(n_out);
+  PerTensor<char*> out_base(n_out);
+  PerTensor<int64_t> out_stride(n_out);
   for (size_t j = 0; j < n_out; ++j) {
     out_base[j] = static_cast<char*>(outs[j].data_ptr());
     out_stride[j] = outs[j].stride(0) * es;
@@ -1131,7 +1131,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
         rest_bytes += g.numel * es;
       }
     }
-    std::vector<const at::Tensor*> grad_ptrs(readable.size());
+    TensorPtrs grad_ptrs(readable.size());
     for (size_t j = 0; j < readable.size(); ++j) {
       grad_ptrs[j] = readable[j].defined() ? &readable[j] : nullptr;
     }

@@ -242,7 +242,9 @@ at::Tensor empty_cpu(
   const c10::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
   const size_t nbytes = at::detail::computeStorageNbytesContiguous(sizes, c10::elementSize(dtype));
   if (warm) *warm = false;
-  if (nbytes < static_cast<size_t>(kCachedMinBytes)) return at::empty(sizes, options);
+  // Small ones: c10's CPU allocator, as at::empty, without a trip through the dispatcher
+  // (a serving request's outputs: 0.1-0.2 us each).
+  if (nbytes < static_cast<size_t>(kCachedMinBytes)) return at::detail::empty_cpu(sizes, options);
   BlockCache& cache = BlockCache::get();
   c10::DataPtr data = cache.take(nbytes, warm);
   auto storage = c10::make_intrusive<c10::StorageImpl>(

@@ -10,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 
 #include <memory>
 #include <optional>
@@ -36,8 +37,12 @@ struct Segment {
   int64_t length;
 };
 
-// Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None.
-using TensorPtrs = std::vector<const at::Tensor*>;
+// Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None. Up to 8 without
+// a heap allocation (the per-call checks of a serving request allocate nothing).
+using TensorPtrs = c10::SmallVector<const at::Tensor*, 8>;
+// Per-tensor values of a call (widths, strides), up to 8 on the stack.
+template <typename T>
+using PerTensor = c10::SmallVector<T, 8>;
 
 // The checks of a call that read no tensor data (dims, dtypes, devices, batch sizes, the
 // metadata's shapes and dtypes, negative sizes): what a kernel whose plan is on a device
@@ -108,7 +113,7 @@ std::vector<Segment> check_backward(
 // device, unit column stride, rows that share no memory, no overlap by address with the
 // inputs or each other whatever their Storage, no inference tensor outside inference
 // mode); reads no tensor data. Returns their widths (the call's out_lengths).
-std::vector<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList outs);
+PerTensor<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList outs);
 
 // check_into_outs, then everything check_forward checks. Zeroes the outputs unless the
 // segments write every column; the kernel then copies the returned segments.

@@ -451,11 +451,11 @@ std::vector<Segment> check_backward(
   return check_rows(op, permutes, in_widths, out_widths);
 }
 
-std::vector<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList outs) {
+PerTensor<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList outs) {
   const char* op = "permute_multi_embedding_into";
   TORCH_CHECK_VALUE(!pooled_embs.empty(), "kt_regroup.", op, ": pooled_embs is empty");
   const at::Tensor& first = pooled_embs[0];
-  std::vector<int64_t> widths;
+  PerTensor<int64_t> widths;
   for (size_t j = 0; j < outs.size(); ++j) {
     const at::Tensor& t = outs[j];
     TORCH_CHECK_VALUE(
@@ -524,7 +524,7 @@ std::shared_ptr<const CheckedPlan> prepare_into_plan(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     at::TensorList outs) {
-  const std::vector<int64_t> widths = check_into_outs(pooled_embs, outs);
+  const PerTensor<int64_t> widths = check_into_outs(pooled_embs, outs);
   std::shared_ptr<const CheckedPlan> plan = check_forward_plan(
       "permute_multi_embedding_into", pooled_embs, permutes, in_shapes, out_shapes, widths);
   if (!plan->tiled) {

@@ -744,7 +744,7 @@ static_assert(
 // ---- host side ------------------------------------------------------------------------
 
 template <int N>
-Tensors<N> table(const std::vector<const at::Tensor*>& tensors, size_t lo, size_t count) {
+Tensors<N> table(const TensorPtrs& tensors, size_t lo, size_t count) {
   Tensors<N> t{};
   t.count = static_cast<int32_t>(count);
   t.lo = static_cast<int64_t>(lo);

@@ -145,7 +145,7 @@ void permute_multi_embedding_into_cuda(
     const at::Tensor& out_shapes,
     at::TensorList outs) {
   constexpr const char* op = "permute_multi_embedding_into";
-  const std::vector<int64_t> widths = check_into_outs(pooled_embs, outs);
+  const PerTensor<int64_t> widths = check_into_outs(pooled_embs, outs);
   check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, widths, /*same_dtype=*/true);
   const c10::cuda::CUDAGuard guard(pooled_embs[0].device());
   launch_forward(pooled_embs, permutes, outs, pooled_embs[0].scalar_type());
