@@ -37,12 +37,12 @@ struct Segment {
   int64_t length;
 };
 
-// Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None. Up to 8 without
-// a heap allocation (the per-call checks of a serving request allocate nothing).
-using TensorPtrs = c10::SmallVector<const at::Tensor*, 8>;
-// Per-tensor values of a call (widths, strides), up to 8 on the stack.
+// One value per tensor of a call (widths, strides, pointers): up to 8 without a heap
+// allocation, so the per-call checks of a serving request allocate nothing.
 template <typename T>
 using PerTensor = c10::SmallVector<T, 8>;
+// Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None.
+using TensorPtrs = PerTensor<const at::Tensor*>;
 
 // The checks of a call that read no tensor data (dims, dtypes, devices, batch sizes, the
 // metadata's shapes and dtypes, negative sizes): what a kernel whose plan is on a device
