@@ -502,6 +502,7 @@ KT_INLINE void run_rows(
 // B=512, `_into` from C++): 0.92-0.94x the time for narrow bf16 keys, within 2-9% of a
 // standalone C loop of the same passes.
 using RunFn = void (*)(const CopyRun&, char*, int64_t, const char*, int64_t, const CopyOp*);
+
 // The two compilations of the run functions: baseline moves of up to kBaseChunk bytes, and
 // 32-byte moves for CPUs with AVX2 (the library is built for baseline x86-64, whose widest
 // moves are 16 bytes: a copy of 32 or 64 bytes is then one or two loads and stores
@@ -550,7 +551,8 @@ inline void program_pass(const ProgramRows& p, int64_t b, const RunFn* fns) {
   for (size_t r = 0; r < p.n_runs; ++r) {
     const CopyRun& run = p.runs[r];
     const int64_t ds = p.out_stride[run.out_t], ss = p.in_stride[run.in_t];
-    fns[run.slot](run, p.out_base[run.out_t] + b * ds, ds, p.in_base[run.in_t] + b * ss, ss, p.ops);
+    fns[run.slot](
+        run, p.out_base[run.out_t] + b * ds, ds, p.in_base[run.in_t] + b * ss, ss, p.ops);
   }
 }
 
