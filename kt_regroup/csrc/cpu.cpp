@@ -286,12 +286,17 @@ struct CopyRun {
 constexpr int64_t kFixedWidths[] = {2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512};
 constexpr size_t kWidthSlots = std::size(kFixedWidths) + 1;  // and one for other widths
 
-// The slot of a run: its width's index in kFixedWidths (the last slot for other widths),
-// plus kWidthSlots for a contiguous run.
-size_t run_slot(const CopyRun& run) {
+// The index of a copy of `nbytes` in kFixedWidths; std::size(kFixedWidths) for other sizes.
+size_t width_index(int64_t nbytes) {
   size_t i = 0;
-  while (i < std::size(kFixedWidths) && kFixedWidths[i] != run.width) ++i;
-  return i + (run.contiguous ? kWidthSlots : 0);
+  while (i < std::size(kFixedWidths) && kFixedWidths[i] != nbytes) ++i;
+  return i;
+}
+
+// The slot of a run: its width's index (the last for other widths), plus kWidthSlots for
+// a contiguous run.
+size_t run_slot(const CopyRun& run) {
+  return width_index(run.width) + (run.contiguous ? kWidthSlots : 0);
 }
 
 // Narrow copies go kRowsPerPass rows at a time: per copy, the loads of every row, then
@@ -327,11 +332,8 @@ ForwardProgram compile_forward(const std::vector<Segment>& segments, int64_t es,
   ForwardProgram p;
   p.es = es;
   auto width_of = [&](const Segment& s) {
-    const int64_t n = s.length * es;
-    for (int64_t w : kFixedWidths) {
-      if (w == n) return w;
-    }
-    return int64_t(0);
+    const size_t i = width_index(s.length * es);
+    return i < std::size(kFixedWidths) ? kFixedWidths[i] : int64_t(0);
   };
   std::vector<const Segment*> order;
   order.reserve(segments.size());
