@@ -134,6 +134,7 @@ def _machine() -> Dict[str, object]:
         except Exception as e:  # noqa: BLE001  (absent or broken: reported)
             versions[mod] = f"unavailable ({type(e).__name__})"
     return {"cpu": name, "threads": torch.get_num_threads(), "versions": versions,
+            "copy_program": torch.ops.kt_regroup._cpu_copy_program(),
             "load_average": os.getloadavg()[0]}
 
 

@@ -70,6 +70,7 @@ def markdown(results: dict) -> str:
     m = results["machine"]
     v = m["versions"]
     lines = [f"kt_regroup benchmark: {m['cpu']}, {m['threads']} threads, "
+             f"CPU copy programs: {m.get('copy_program', 'not recorded')}, "
              + ", ".join(f"{k} {x}" for k, x in v.items())
              + f"; load average {m['load_average']:.1f} at start, "
              f"{m.get('load_average_end', float('nan')):.1f} at end"]

@@ -815,19 +815,65 @@ def test_narrow_rows_split_across_threads_copy_every_bit(four_threads, dtype, la
         _same_bits(outs, want)
 
 
-# On CPUs with AVX2 the copy program runs as a second build (32-byte moves); the
-# baseline build (16-byte moves), which other CPUs run, gets the same tests in a process
-# started with KT_REGROUP_AVX2=0.
+# On x86-64 Linux with AVX2, copy programs kept with their plans run as machine code,
+# the rest in the interpreter's AVX2 build (32-byte moves); other CPUs run its baseline
+# build (16-byte moves).
 @needs_cpu_kernel
-def test_baseline_build_of_the_copy_program_passes_the_same_tests():
+def test_copy_programs_run_as_machine_code_on_x86_64_linux_with_avx2():
+    import os
+    import platform
+    import sys
+
+    avx2 = (platform.machine() in ("x86_64", "AMD64") and os.environ.get("KT_REGROUP_AVX2") != "0"
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+    jit = avx2 and sys.platform == "linux" and os.environ.get("KT_REGROUP_JIT") != "0"
+    want = "machine code" if jit else "avx2" if avx2 else "baseline"
+    assert torch.ops.kt_regroup._cpu_copy_program() == want
+
+
+# The machine code holds one register per tensor, ten at most (five of them the caller's,
+# saved and restored); programs of more tensors run in the interpreter. Each side of the
+# limit, many times over: a register the code failed to restore would show.
+@needs_cpu_kernel
+@pytest.mark.parametrize("n_in, n_out", [(6, 4), (7, 4), (1, 9)])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float64], ids=dtype_ids)
+def test_copy_programs_of_many_tensors_copy_every_bit(n_in, n_out, dtype):
+    import random
+
+    rng = random.Random(n_in * 10 + n_out)
+    keys = [[f"t{i}_{k}" for k in range(5)] for i in range(n_in)]
+    lengths = [[rng.randint(1, 20) for _ in ks] for ks in keys]
+    flat = [k for ks in keys for k in ks]
+    # every group reads every input (all the tensors take registers), some keys twice
+    groups = [[keys[i][(i + j) % 5] for i in range(n_in)] + rng.choices(flat, k=3)
+              for j in range(n_out)]
+    layout = SMALL_LAYOUT._replace(keys=keys, lengths=lengths, groups=groups)
+    args = _metadata(layout, coalesced=False)
+    gen = torch.Generator().manual_seed(n_in)
+    for batch in (1, 3, 33, 100):
+        values = [_random_bits(batch, w, dtype, gen, 3) for w in layout.in_widths]
+        want = permute_multi_embedding_reference(values, *args)
+        for _ in range(20):
+            _same_bits(OP(values, *args), want)
+        outs = [_random_bits(batch, n, dtype, gen, 4) for n in args[3]]
+        INTO_OP(values, *args[:3], outs)
+        _same_bits(outs, want)
+
+
+# The interpreter's builds get the same tests in processes started with KT_REGROUP_JIT=0
+# (its AVX2 build, on CPUs with AVX2) and KT_REGROUP_AVX2=0 (its baseline build).
+@needs_cpu_kernel
+@pytest.mark.parametrize("env", ["KT_REGROUP_JIT", "KT_REGROUP_AVX2"])
+def test_the_interpreter_builds_of_the_copy_program_pass_the_same_tests(env):
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, KT_REGROUP_AVX2="0")
+    env = dict(os.environ, **{env: "0"})
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-         "narrow or long_and_short or split_across or streaming or bit_identical"],
+         "narrow or long_and_short or split_across or streaming or bit_identical or many_tensors"
+         " or machine_code"],
         env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-500:]

@@ -140,8 +140,13 @@ DEFAULT_LIMIT = 2 << 30
     pytest.param({"KT_REGROUP_AVX2": "maybe"}, f"{DEFAULT_LIMIT} False", "KT_REGROUP_AVX2",
                  marks=pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                                           reason="read only where there is an AVX2 build")),
+    pytest.param({"KT_REGROUP_JIT": "maybe"}, f"{DEFAULT_LIMIT} False", "KT_REGROUP_JIT",
+                 marks=pytest.mark.skipif(
+                     not hasattr(torch.ops.kt_regroup, "_cpu_copy_program")
+                     or torch.ops.kt_regroup._cpu_copy_program() != "machine code",
+                     reason="read only where copy programs run as machine code")),
 ], ids=["max-mib", "huge-true", "huge-Off", "mib-2^44", "mib-2^63", "mib-2G", "mib-1.5",
-        "mib-negative", "huge-maybe", "avx2-maybe"])
+        "mib-negative", "huge-maybe", "avx2-maybe", "jit-maybe"])
 def test_the_environment_refuses_what_it_cannot_read_naming_the_variable(env, want, warned):
     done = _cpu_memory_in_a_child(env)
     assert done.stdout.strip() == want, (env, done.stdout, done.stderr[-500:])
