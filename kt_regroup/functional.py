@@ -274,9 +274,12 @@ def _waited(kt: KeyedTensor) -> KeyedTensor:
 
 @torch.jit.unused
 def has_pooled_rows(keyed_tensors: List[KeyedTensor]) -> bool:
-    return isinstance(keyed_tensors, (list, tuple)) and any(
-        isinstance(_waited(kt), VariableBatchKeyedTensor) for kt in keyed_tensors
-    )
+    if not isinstance(keyed_tensors, (list, tuple)):
+        return False
+    for kt in keyed_tensors:  # a plain KeyedTensor first: neither kind, and the usual one
+        if type(kt) is not KeyedTensor and isinstance(_waited(kt), VariableBatchKeyedTensor):
+            return True
+    return False
 
 
 @torch.jit.unused

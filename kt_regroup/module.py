@@ -213,20 +213,26 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
 
     def forward(self, keyed_tensors: List[KeyedTensor]) -> Dict[str, torch.Tensor]:
         """One tensor per group of ``keyed_tensors``, keyed by the group's name."""
-        plan = self._plan  # read once: other threads may swap in their own plans
-        if not torch.jit.is_scripting() and not _in_graph():  # eager
-            if has_pooled_rows(keyed_tensors):  # variable-batch: from the pooled rows
-                return dict(zip(self._keys, regroup_rows(keyed_tensors, self._groups, self._dtype)))
-            if not plan.matches(keyed_tensors):  # cold or stale: a new plan, swapped in
-                plan = self._refresh(keyed_tensors)
-            return regroup_with_plan(
-                keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device,
-                plan._warm, True,
-            )
+        if not torch.jit.is_scripting() and not _in_graph():
+            return self._eager(keyed_tensors)
         # a graph: the module's state stays; a differing layout is computed uncached
         return regroup_with_plan(
             keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device,
-            plan.plan(), False,
+            self._plan.plan(), False,
+        )
+
+    @torch.jit.unused
+    def _eager(self, keyed_tensors: List[KeyedTensor]) -> Dict[str, torch.Tensor]:
+        # read once: other threads may swap in their own plans (_modules: the submodule
+        # without nn.Module.__getattr__, a microsecond a call)
+        plan = self._modules["_plan"]
+        if has_pooled_rows(keyed_tensors):  # variable-batch: from the pooled rows
+            return dict(zip(self._keys, regroup_rows(keyed_tensors, self._groups, self._dtype)))
+        if not plan.matches(keyed_tensors):  # cold or stale: a new plan, swapped in
+            plan = self._refresh(keyed_tensors)
+        return regroup_with_plan(
+            keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device,
+            plan._warm, True,
         )
 
     @torch.jit.export
