@@ -744,10 +744,11 @@ std::shared_ptr<const MachineCode> MachineCode::compile(const ForwardProgram& p)
   return std::shared_ptr<const MachineCode>(new MachineCode(mem, size, std::move(tensors)));
 }
 #else
+// No machine code here: compile() gives none, and run() would be the interpreter's.
 class MachineCode {
  public:
   static std::shared_ptr<const MachineCode> compile(const ForwardProgram&) { return nullptr; }
-  void run(const ProgramRows&, int64_t, int64_t) const {}
+  void run(const ProgramRows& p, int64_t b0, int64_t b1) const { run_program_rows(p, b0, b1); }
 };
 #endif
 
