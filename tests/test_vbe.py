@@ -136,6 +136,47 @@ def test_vbe_on_threads_matches_reference_bit_for_bit(threads):
         torch.set_num_threads(before)
 
 
+def test_vbe_backward_gives_torchrecs_bits():
+    """The backward sums as unpatched torchrec does (``group_index_select_dim0``, then its
+    ``KTRegroupAsDict``): per sample over a key's groups in plan order, then per row in
+    sample order. Non-integer weights, many samples per row and a key in three groups,
+    where another order changes the bits; an unindexed input too."""
+    import fbgemm_gpu  # noqa: F401  (torch.ops.fbgemm.group_index_select_dim0)
+    import torchrec.modules.regroup as tr_regroup
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    batch = 3000
+    dims, rows = {"a": 8, "b": 4, "c": 16, "d": 5}, {"a": 2, "b": 3, "c": 50, "d": batch}
+    pooled = {k: torch.randn(rows[k], dims[k], requires_grad=True) for k in dims}
+    index = {k: torch.randint(0, rows[k], (batch,)) for k in dims}
+    groups = [["a", "b", "c", "d"], ["b", "a", "d"], ["a"]]
+    weights = [torch.randn(batch, sum(dims[k] for k in g)) for g in groups]
+    keys = list(dims)
+    leaves = [pooled[k] for k in keys]
+
+    def loss(outs):
+        return sum((o * w).sum() for o, w in zip(outs, weights))
+
+    expanded = torch.ops.fbgemm.group_index_select_dim0(
+        leaves[:3], [index[k] for k in keys[:3]]) + [leaves[3]]
+    kt = KeyedTensor(keys, [dims[k] for k in keys], torch.cat(expanded, 1))
+    want = torch.autograd.grad(
+        loss(tr_regroup.KTRegroupAsDict(groups, ["x", "y", "z"])([kt]).values()), leaves)
+    plan = kt_regroup_arguments(leaves[0], [[k] for k in keys], [[dims[k]] for k in keys], groups)
+    outs = permute_multi_embedding_vbe(leaves, [index[k] for k in keys[:3]] + [None], *plan)
+    got = torch.autograd.grad(loss(outs), leaves)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    # the portable kernel (every device without its own) sums in the same order
+    backward = torch.ops.kt_regroup.permute_multi_embedding_vbe_backward.default
+    args = (list(torch.autograd.grad(loss(outs), outs)), [index[k] for k in keys[:3]] + [None],
+            *plan[:3], [dims[k] for k in keys], [rows[k] for k in keys], torch.float32)
+    flat = torch.cat([w.reshape(-1) for w in want])
+    assert torch.equal(backward(*args), flat)
+    portable = backward._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args)
+    assert torch.equal(portable, flat)
+
+
 def _sample(batch=4, dtype=torch.float32, idx_dtype=torch.long, requires_grad=False):
     a = torch.randn(3, 4, dtype=dtype, requires_grad=requires_grad)
     b = torch.randn(batch, 2, dtype=dtype, requires_grad=requires_grad)
@@ -194,7 +235,9 @@ def test_vbe_compiles_with_a_dynamic_batch():
          r"indices\[2\]\[2\] = 5 is out of range for input 2, which has 2 rows"),
         (lambda i: [torch.tensor([0, -1, 0, 0]), None, i[2]], IndexError,
          r"indices\[0\]\[1\] = -1 is out of range for input 0"),
-        (lambda i: [i[0], None, i[2][:3]], ValueError, r"input 2 has 3 samples"),
+        (lambda i: [i[0], None, i[2][:3]], ValueError,
+         r"^kt_regroup.permute_multi_embedding_vbe: input 2 has 3 samples \(the length of "
+         r"indices\[2\]\) but the batch has 4 \(from input 0\)$"),
         (lambda i: [i[0], None, i[2].float()], TypeError, r"indices\[2\] must be int32 or int64"),
         (lambda i: [i[0], None, i[2][None]], ValueError, r"indices\[2\] must be 1-D"),
         (lambda i: [i[0], None], ValueError, r"indices has 2 entries but there are 3 inputs"),
@@ -211,8 +254,58 @@ def test_vbe_bad_indices_name_the_input_and_sample(change, error, match):
 def test_vbe_unindexed_input_with_another_batch_raises():
     pooled, indices, plan = _sample(4)
     pooled[1] = torch.randn(3, 2)
-    with pytest.raises(ValueError, match=r"input 1 has 3 rows and no index"):
+    with pytest.raises(ValueError, match=r"input 1 has 3 rows and no index \(indices\[1\] is "
+                       r"None\) but the batch has 4 \(from input 0\)$"):
         permute_multi_embedding_vbe(pooled, indices, *plan)
+
+
+def test_vbe_index_changed_in_place_after_the_forward_is_autograds_error():
+    """The indices are saved with a version check, as ``index_select`` saves its index: a
+    buffer reused for the next batch before the backward is an error, not wrong rows."""
+    pooled, indices, plan = _sample(4, requires_grad=True)
+    outs = permute_multi_embedding_vbe(pooled, indices, *plan)
+    indices[0].fill_(0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad([o.sum() for o in outs], pooled)
+
+
+def test_vbe_inference_mode_index_trains():
+    """An index made under ``inference_mode`` (which autograd cannot save) is copied."""
+    pooled, indices, plan = _sample(4, requires_grad=True)
+    with torch.inference_mode():
+        frozen = [None if i is None else i.clone() for i in indices]
+    outs = permute_multi_embedding_vbe(pooled, frozen, *plan)
+    grads = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, pooled, grads)
+    want = torch.autograd.grad(permute_multi_embedding_vbe(pooled, indices, *plan), pooled, grads)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_vbe_stride0_index_of_a_huge_batch_fails_at_once():
+    """An expanded (stride-0) index holds one value: it is checked once, so a batch of 2^40
+    reaches the allocation error at once instead of after 2^40 checks (minutes)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, kt_regroup\n"
+        "from kt_regroup.ops import kt_regroup_arguments, permute_multi_embedding_vbe\n"
+        "p = torch.randn(3, 4)\n"
+        "plan = kt_regroup_arguments(p, [['a']], [[4]], [['a']])\n"
+        "for value in (1, 3):\n"
+        "    try:\n"
+        "        permute_multi_embedding_vbe([p], [torch.tensor([value]).expand(2 ** 40)], *plan)\n"
+        "    except (RuntimeError, IndexError) as e:\n"
+        "        print(type(e).__name__, str(e).splitlines()[0])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stderr
+    assert lines[0].startswith("RuntimeError") and "allocate" in lines[0], lines[0]
+    assert lines[1] == (
+        "IndexError kt_regroup.permute_multi_embedding_vbe: indices[0][0] = 3 is out of range "
+        "for input 0, which has 3 rows"
+    )
 
 
 def test_vbe_backward_checks_dtype_and_rows():

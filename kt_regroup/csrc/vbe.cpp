@@ -28,6 +28,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <type_traits>
@@ -78,8 +79,9 @@ int64_t check_indices(
     }
     TORCH_CHECK_VALUE(
         n == *batch, "kt_regroup.", op, ": input ", i, " has ", n,
-        has ? " samples (indices[" : " rows and no index (indices[", i, "] is None)",
-        has ? "] length)" : "", " but the batch has ", *batch,
+        has ? " samples (the length of indices[" + std::to_string(i) + "])"
+            : " rows and no index (indices[" + std::to_string(i) + "] is None)",
+        " but the batch has ", *batch,
         first >= 0 ? " (from input " + std::to_string(first) + ")" : std::string());
   }
   return batch.value_or(0);
@@ -89,7 +91,8 @@ int64_t check_indices(
 template <typename index_t>
 void check_range(const char* op, const at::Tensor& idx, int64_t i, int64_t rows) {
   const index_t* p = idx.const_data_ptr<index_t>();
-  const int64_t n = idx.size(0), s = idx.stride(0);
+  // A stride-0 index (expand) holds one value whatever its length: checked once.
+  const int64_t s = idx.stride(0), n = s == 0 ? std::min<int64_t>(idx.size(0), 1) : idx.size(0);
   for (int64_t b = 0; b < n; ++b) {
     const int64_t v = static_cast<int64_t>(p[b * s]);
     TORCH_CHECK_INDEX(
@@ -234,6 +237,74 @@ bool has_index(const std::vector<std::optional<at::Tensor>>& indices, size_t i) 
   return !indices.empty() && indices[i].has_value() && indices[i]->defined();
 }
 
+// The backward's sums, in unpatched torchrec's order (group_index_select_dim0, then the
+// regroup): per sample, the gradients of every segment that reads an input column, in
+// plan order; then per row, those sums of its samples, in sample order. A Piece is a run
+// of one segment's columns that is the only read of its columns (kOnce: added straight
+// into the row), the first of several (kFirst: starts the sample's sum) or a later one
+// (kAdd). `shared` lists the input's columns read more than once.
+struct Piece {
+  enum Kind { kOnce, kFirst, kAdd };
+  const Segment* segment;
+  int64_t skip;  // columns from the segment's start
+  int64_t length;
+  Kind kind;
+};
+
+struct InputSums {
+  std::vector<Piece> pieces;
+  std::vector<std::pair<int64_t, int64_t>> shared;  // [begin, end) input columns
+  std::vector<std::pair<int64_t, int64_t>> unread;  // [begin, end) input columns
+};
+
+// Per input, its pieces (segments whose gradient is None are left out: they add zeros).
+std::vector<InputSums> input_sums(
+    const std::vector<Segment>& segments,
+    const TensorPtrs& grads,
+    c10::IntArrayRef in_lengths) {
+  std::vector<InputSums> out(in_lengths.size());
+  std::vector<std::vector<int32_t>> reads(in_lengths.size());
+  for (const Segment& s : segments) {
+    if (!grads[s.out_t]) continue;
+    std::vector<int32_t>& r = reads[s.in_t];
+    if (r.empty()) r.assign(in_lengths[s.in_t], 0);
+    for (int64_t c = s.in_off; c < s.in_off + s.length; ++c) ++r[c];
+  }
+  // Runs of equal values of f(c) over [begin, end), as (begin, end, value).
+  auto runs = [](int64_t begin, int64_t end, auto f, auto emit) {
+    while (begin < end) {
+      const auto v = f(begin);
+      int64_t stop = begin + 1;
+      while (stop < end && f(stop) == v) ++stop;
+      emit(begin, stop, v);
+      begin = stop;
+    }
+  };
+  std::vector<std::vector<bool>> seen(in_lengths.size());
+  for (const Segment& s : segments) {
+    if (!grads[s.out_t]) continue;
+    const std::vector<int32_t>& r = reads[s.in_t];
+    std::vector<bool>& done = seen[s.in_t];
+    if (done.empty()) done.assign(in_lengths[s.in_t], false);
+    auto kind = [&](int64_t c) {
+      return r[c] == 1 ? Piece::kOnce : done[c] ? Piece::kAdd : Piece::kFirst;
+    };
+    runs(s.in_off, s.in_off + s.length, kind, [&](int64_t b, int64_t e, Piece::Kind k) {
+      out[s.in_t].pieces.push_back(Piece{&s, b - s.in_off, e - b, k});
+    });
+    for (int64_t c = s.in_off; c < s.in_off + s.length; ++c) done[c] = true;
+  }
+  for (size_t i = 0; i < in_lengths.size(); ++i) {
+    const std::vector<int32_t>& r = reads[i];
+    auto count = [&](int64_t c) { return r.empty() ? 0 : std::min<int32_t>(r[c], 2); };
+    runs(0, in_lengths[i], count, [&](int64_t b, int64_t e, int32_t n) {
+      if (n == 0) out[i].unread.emplace_back(b, e);
+      if (n == 2) out[i].shared.emplace_back(b, e);
+    });
+  }
+  return out;
+}
+
 // ---- portable kernels (ATen; every device without a native kernel) -------------------------
 
 std::vector<at::Tensor> vbe_portable(
@@ -281,15 +352,24 @@ at::Tensor vbe_backward_portable(
   std::vector<at::Tensor> grads =
       gradient_views(in_rows, in_lengths, at::TensorOptions().dtype(dtype).device(device), &buffer);
   buffer.zero_();
-  for (const Segment& s : k.segments) {
-    if (!k.grads[s.out_t]) continue;
-    const at::Tensor src = k.grads[s.out_t]->narrow(1, s.out_off, s.length);
-    at::Tensor dst = grads[s.in_t].narrow(1, s.in_off, s.length);
-    if (has_index(k.indices, s.in_t)) {
-      dst.index_add_(0, *k.indices[s.in_t], src);
-    } else {
-      dst.add_(src);
+  const std::vector<InputSums> sums = input_sums(k.segments, k.grads, in_lengths);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    if (sums[i].pieces.empty()) continue;
+    // Each sample's sum over the segments that read a column, then the rows' sums.
+    at::Tensor per_sample = has_index(k.indices, i)
+        ? at::zeros({k.batch, in_lengths[i]}, grads[i].options())
+        : grads[i];
+    for (const Piece& p : sums[i].pieces) {
+      const Segment& s = *p.segment;
+      const at::Tensor src = k.grads[s.out_t]->narrow(1, s.out_off + p.skip, p.length);
+      at::Tensor dst = per_sample.narrow(1, s.in_off + p.skip, p.length);
+      if (p.kind == Piece::kAdd) {
+        dst.add_(src);
+      } else {
+        dst.copy_(src);
+      }
     }
+    if (has_index(k.indices, i)) grads[i].index_add_(0, *k.indices[i], per_sample);
   }
   return buffer;
 }
@@ -426,6 +506,35 @@ Csr samples_by_row(const RowMap& map, int64_t rows, int64_t batch) {
   return c;
 }
 
+// One sample's gradient of input columns: kOnce pieces into `acc` (acc_t) or straight
+// into `out` (scalar_t), kFirst/kAdd pieces into `sum`, which the caller then adds.
+template <typename scalar_t, typename acc_t, bool kAccumulate>
+inline void add_sample(
+    const InputSums& sums,
+    const std::vector<at::Tensor>& grad_outs,
+    int64_t b,
+    acc_t* acc,
+    scalar_t* out,
+    acc_t* sum) {
+  for (const Piece& p : sums.pieces) {
+    const Segment& s = *p.segment;
+    const at::Tensor& g = grad_outs[s.out_t];
+    const scalar_t* src = g.const_data_ptr<scalar_t>() + b * g.stride(0) + s.out_off + p.skip;
+    const int64_t col = s.in_off + p.skip;
+    if (p.kind == Piece::kOnce) {
+      if constexpr (kAccumulate) {
+        for (int64_t c = 0; c < p.length; ++c) acc[col + c] += static_cast<acc_t>(src[c]);
+      } else {
+        std::memcpy(out + col, src, p.length * sizeof(scalar_t));
+      }
+    } else if (p.kind == Piece::kFirst) {
+      for (int64_t c = 0; c < p.length; ++c) sum[col + c] = static_cast<acc_t>(src[c]);
+    } else {
+      for (int64_t c = 0; c < p.length; ++c) sum[col + c] += static_cast<acc_t>(src[c]);
+    }
+  }
+}
+
 template <typename scalar_t>
 void vbe_backward_cpu_typed(
     const Backward& k,
@@ -435,43 +544,47 @@ void vbe_backward_cpu_typed(
     std::vector<at::Tensor>& grads) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   const size_t n_in = in_rows.size();
-  std::vector<std::vector<const Segment*>> by_input(n_in);
-  for (const Segment& s : k.segments) {
-    if (grad_outs[s.out_t].defined()) by_input[s.in_t].push_back(&s);
-  }
+  const std::vector<InputSums> sums = input_sums(k.segments, k.grads, in_lengths);
   std::vector<at::Tensor> keep;
   const std::vector<RowMap> maps = row_maps(k.indices, n_in, keep);
   // One task per input; each owns its rows, so no two threads write one element. Less
   // than kGrainBytes of gradient in all runs inline (no thread to wake).
   int64_t bytes = 0;
-  for (const auto& segments : by_input) {
-    for (const Segment* s : segments) bytes += k.batch * s->length * int64_t(sizeof(scalar_t));
+  for (const InputSums& s : sums) {
+    for (const Piece& p : s.pieces) bytes += k.batch * p.length * int64_t(sizeof(scalar_t));
   }
   const int64_t grain = bytes < kGrainBytes ? std::max<int64_t>(1, int64_t(n_in)) : 1;
   at::parallel_for(0, static_cast<int64_t>(n_in), grain, [&](int64_t i0, int64_t i1) {
-    std::vector<acc_t> acc;
+    std::vector<acc_t> acc, sum;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t rows = in_rows[i], width = in_lengths[i];
       scalar_t* out = grads[i].data_ptr<scalar_t>();
       if (rows * width == 0) continue;
-      if (by_input[i].empty()) {
+      const InputSums& s = sums[i];
+      if (s.pieces.empty()) {
         std::fill(out, out + rows * width, scalar_t(0));
         continue;
       }
-      const bool indexed = maps[i].indexed;
-      const Csr csr = indexed ? samples_by_row(maps[i], rows, k.batch) : Csr{};
-      acc.assign(width, acc_t(0));
+      sum.resize(width);
+      if (!maps[i].indexed) {  // row r is sample r: its sum is its gradient
+        for (int64_t r = 0; r < rows; ++r) {
+          scalar_t* o = out + r * width;
+          add_sample<scalar_t, acc_t, false>(s, grad_outs, r, nullptr, o, sum.data());
+          for (const auto& [b, e] : s.shared) {
+            for (int64_t c = b; c < e; ++c) o[c] = static_cast<scalar_t>(sum[c]);
+          }
+          for (const auto& [b, e] : s.unread) std::fill(o + b, o + e, scalar_t(0));
+        }
+        continue;
+      }
+      const Csr csr = samples_by_row(maps[i], rows, k.batch);
+      acc.resize(width);
       for (int64_t r = 0; r < rows; ++r) {
         std::fill(acc.begin(), acc.end(), acc_t(0));
-        const int64_t lo = indexed ? csr.start[r] : r, hi = indexed ? csr.start[r + 1] : r + 1;
-        for (const Segment* s : by_input[i]) {
-          const at::Tensor& g = grad_outs[s->out_t];
-          const scalar_t* gp = g.const_data_ptr<scalar_t>() + s->out_off;
-          const int64_t gs = g.stride(0);
-          acc_t* a = acc.data() + s->in_off;
-          for (int64_t q = lo; q < hi; ++q) {
-            const scalar_t* row = gp + (indexed ? csr.samples[q] : q) * gs;
-            for (int64_t c = 0; c < s->length; ++c) a[c] += static_cast<acc_t>(row[c]);
+        for (int64_t q = csr.start[r]; q < csr.start[r + 1]; ++q) {
+          add_sample<scalar_t, acc_t, true>(s, grad_outs, csr.samples[q], acc.data(), nullptr, sum.data());
+          for (const auto& [b, e] : s.shared) {
+            for (int64_t c = b; c < e; ++c) acc[c] += sum[c];
           }
         }
         scalar_t* o = out + r * width;
@@ -568,7 +681,22 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
     ctx->saved_data["in_rows"] = c10::IValue(c10::SymIntArrayRef(rows));
     ctx->saved_data["dtype"] =
         pooled_embs.empty() ? at::kFloat : pooled_embs[0].scalar_type();
-    ctx->saved_data["indices"] = indices;
+    // The indices with a version check (an index changed in place before the backward is
+    // autograd's error, as for index_select); an inference tensor, which autograd cannot
+    // save, as a copy of our own. The plan tensors are read-only metadata.
+    // (apply runs this with grad mode off: whether a node is recorded is not known here)
+    const bool records = !c10::InferenceMode::is_enabled() &&
+        std::any_of(pooled_embs.begin(), pooled_embs.end(),
+                    [](const at::Tensor& t) { return t.requires_grad(); });
+    variable_list saved;
+    c10::List<bool> present;
+    for (const std::optional<at::Tensor>& idx : indices) {
+      const bool has = idx.has_value() && idx->defined();
+      present.push_back(has);
+      saved.push_back(!has ? at::Tensor() : records && idx->is_inference() ? idx->clone() : *idx);
+    }
+    ctx->save_for_backward(saved);
+    ctx->saved_data["indices_present"] = present;
     ctx->saved_data["permutes"] = permutes;
     ctx->saved_data["in_shapes"] = in_shapes;
     ctx->saved_data["out_shapes"] = out_shapes;
@@ -584,8 +712,14 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
     }
     const std::vector<c10::SymInt> widths = saved.at("in_lengths").toSymIntVector();
     const std::vector<c10::SymInt> rows = saved.at("in_rows").toSymIntVector();
+    OptionalTensors indices;
+    const variable_list held = ctx->get_saved_variables();
+    const c10::List<bool> present = saved.at("indices_present").toBoolList();
+    for (size_t i = 0; i < held.size(); ++i) {
+      indices.push_back(present[i] ? std::optional<at::Tensor>(held[i]) : std::nullopt);
+    }
     const at::Tensor flat = call_vbe_backward(
-        grads, saved.at("indices").to<OptionalTensors>(), saved.at("permutes").toTensor(),
+        grads, indices, saved.at("permutes").toTensor(),
         saved.at("in_shapes").toTensor(), saved.at("out_shapes").toTensor(), widths, rows,
         saved.at("dtype").toScalarType());
     variable_list out;  // per-input views of the one flat gradient

@@ -676,9 +676,9 @@ struct Samples {
 };
 
 // The VBE backward (permute_multi_embedding_vbe_backward): a chain head's block of input
-// rows sums, for each row and column, its chain's gradient blocks in row order, each over
-// the row's samples in sample order, in Acc (float32 for float16/bfloat16): the CPU
-// kernel's order, so its bits. Rows no sample reads get zeros. The gradients have D's
+// rows sums, for each row and column, over the row's samples in sample order, each
+// sample's chain of gradient blocks in row order, in Acc (float32 for float16/bfloat16):
+// the CPU kernel's order (unpatched torchrec's), so its bits. Rows no sample reads get zeros. The gradients have D's
 // dtype (the op checks it). The input gradients are rows[t] x width views of one buffer.
 template <typename D>
 __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
@@ -723,12 +723,18 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
         const int64_t r = r0 + b, c = s.lo + j;
         const int64_t q0 = starts ? starts[r] : r, q1 = starts ? starts[r + 1] : r + 1;
         Acc acc = Acc(0);
-        for_links(count, links, L.plan, row, grads, c, [&](const Link& l) {
-          const D* g = reinterpret_cast<const D*>(l.ptr) + (l.off + c) * l.cs;
-          for (int64_t q = q0; q < q1; ++q) {
-            acc += static_cast<Acc>(g[(by_row ? by_row[q] : q) * l.rs]);
-          }
-        });
+        for (int64_t q = q0; q < q1; ++q) {
+          const int64_t sample = by_row ? by_row[q] : q;
+          Acc sum = Acc(0);
+          bool first = true;
+          for_links(count, links, L.plan, row, grads, c, [&](const Link& l) {
+            const D* g = reinterpret_cast<const D*>(l.ptr) + (l.off + c) * l.cs;
+            const Acc v = static_cast<Acc>(g[sample * l.rs]);
+            sum = first ? v : sum + v;
+            first = false;
+          });
+          acc = starts ? acc + sum : sum;  // a sample's own row keeps its sum's bits (-0.0)
+        }
         return acc;
       },
       [&](int64_t b, int64_t j, const Acc& v) { dst[(r0 + b) * drs + j] = static_cast<D>(v); });
