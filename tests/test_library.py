@@ -23,7 +23,7 @@ REPO = PACKAGE.parent
 SCHEMAS = {
     "permute_multi_embedding", "permute_multi_embedding_backward", "permute_multi_embedding_to",
     "permute_multi_embedding_into", "kt_regroup_arguments", "regroup_keyed_tensor",
-    "_cpu_memory", "_cpu_copy_program", "permute_multi_embedding_vbe",
+    "_cpu_memory", "_cpu_copy_program", "_cpu_machine_code", "permute_multi_embedding_vbe",
     "permute_multi_embedding_vbe_backward",
 }
 

@@ -13,6 +13,7 @@
 
 #include "kt_regroup.h"
 #include "cpu_memory.h"
+#include "machine_code.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,9 +27,6 @@
 #include <functional>
 #if defined(__SSE2__)
 #include <emmintrin.h>
-#endif
-#if defined(__linux__)
-#include <sys/mman.h>
 #endif
 #include <iterator>
 #include <memory>
@@ -313,15 +311,13 @@ size_t run_slot(const CopyRun& run) {
 constexpr int kRowsPerPass = 4;
 constexpr int64_t kPassWidth = 64;
 
-class MachineCode;
-
 struct ForwardProgram {
   std::vector<CopyRun> runs;
   std::vector<CopyOp> ops;
   int64_t bytes_per_row = 0;
   int64_t es = 0;
   bool in_passes = false;  // rows go kRowsPerPass at a time (output order only)
-  // The program as machine code (programs kept with their plans; see MachineCode), or null.
+  // The program as machine code (programs kept with their plans; machine_code.h), or null.
   std::shared_ptr<const MachineCode> code;
 };
 
@@ -532,8 +528,6 @@ struct Avx2Runs {
     run_rows<N, Contiguous, R, 32>(r, dst, ds, src, ss, ops);
   }
 };
-// KT_REGROUP_AVX2=0 runs the baseline build on any CPU (the tests check both builds).
-const bool kHasAvx2 = __builtin_cpu_supports("avx2") && env_flag("KT_REGROUP_AVX2", true);
 #endif
 
 // The run functions of one compilation for R rows, by slot.
@@ -581,181 +575,23 @@ void program_rows(const ProgramRows& p, int64_t b0, int64_t b1) {
 
 void run_program_rows(const ProgramRows& p, int64_t b0, int64_t b1) {
 #if defined(KT_X86_AVX2)
-  if (kHasAvx2) return program_rows<Avx2Runs>(p, b0, b1);
+  if (avx2_enabled()) return program_rows<Avx2Runs>(p, b0, b1);
 #endif
   program_rows<BaseRuns>(p, b0, b1);
 }
 
-// ---- the copy program as machine code (x86-64 Linux with AVX2) ------------------------
-//
-// Compiled per plan, a row of a copy program is straight-line code: per copy, one load
-// and one store at fixed offsets from one register per tensor; then every register steps
-// one row. The interpreter reads each copy's offsets from its table and leaves a loop per
-// run, which costs more than the copies themselves when they are 16 or 32 bytes. FBGEMM's
-// CPU embedding kernels are generated the same way (with asmjit). `_into` / a clone of
-// its outputs, machine code against the interpreter, side by side (2-core AMD EPYC, 1
-// thread, three alternating process pairs): narrow bf16 keys at B=512 1.03-1.07 against
-// 1.32-1.37, narrow float32 0.98-1.02 against 1.07-1.09, narrow bf16 at B=32 1.20-1.26
-// against 1.32-1.35, the serving layout 0.99-1.01 against 1.01-1.05. Programs kept with
-// their plans (the forward's, the copy-only backward's) are compiled; KT_REGROUP_JIT=0
-// (read at load) keeps the interpreter.
-#if defined(KT_X86_AVX2) && defined(__linux__)
-const bool kJit = kHasAvx2 && env_flag("KT_REGROUP_JIT", true);
-
-class MachineCode {
- public:
-  // The code of `p`, or null: more than kMaxTensors tensors, offsets past 2 GiB, more
-  // than kMaxBytes of code, or no executable memory (the interpreter runs it then).
-  static std::shared_ptr<const MachineCode> compile(const ForwardProgram& p);
-
-  MachineCode(const MachineCode&) = delete;
-  MachineCode& operator=(const MachineCode&) = delete;
-  ~MachineCode() { munmap(code_, size_); }
-
-  // Rows [b0, b1) of the program's tensors (b1 > b0).
-  void run(const ProgramRows& p, int64_t b0, int64_t b1) const {
-    char* row[kMaxTensors];
-    int64_t stride[kMaxTensors];
-    for (size_t k = 0; k < tensors_.size(); ++k) {
-      const auto [t, is_out] = tensors_[k];
-      stride[k] = is_out ? p.out_stride[t] : p.in_stride[t];
-      char* base = is_out ? p.out_base[t] : const_cast<char*>(p.in_base[t]);
-      row[k] = base + b0 * stride[k];
-    }
-    fn_(row, stride, b1 - b0);
-  }
-
- private:
-  // rcx, r8-r11, rbx, rbp, r13-r15: one row pointer per tensor (rdi, rsi and rdx hold
-  // the arguments, rax and ymm0 the data; rsp and r12 would need another byte per move).
-  static constexpr int kRegs[] = {1, 8, 9, 10, 11, 3, 5, 13, 14, 15};
-  static constexpr size_t kMaxTensors = std::size(kRegs);
-  static constexpr size_t kMaxBytes = 64 << 10;
-  using Fn = void (*)(char* const* row, const int64_t* stride, int64_t rows);
-
-  MachineCode(void* code, size_t size, std::vector<std::pair<int64_t, bool>> tensors)
-      : code_(code), size_(size), fn_(reinterpret_cast<Fn>(code)), tensors_(std::move(tensors)) {}
-
-  void* code_;
-  size_t size_;
-  Fn fn_;
-  std::vector<std::pair<int64_t, bool>> tensors_;  // per register: (index, is an output)
-};
-
-// x86-64 encodings of the few instructions the code needs; memory operands are always
-// [base + disp32].
-struct Assembler {
-  std::vector<uint8_t> code;
-
-  void byte(int b) { code.push_back(static_cast<uint8_t>(b)); }
-  void disp32(int64_t v) {
-    for (int i = 0; i < 4; ++i) byte(static_cast<uint8_t>(static_cast<uint64_t>(v) >> (8 * i)));
-  }
-  void rex(bool w, int reg, int base) {
-    const int r = 0x40 | (w ? 8 : 0) | (reg >> 3) << 2 | (base >> 3);
-    if (r != 0x40) byte(r);
-  }
-  void mem(int reg, int base, int64_t disp) {  // ModRM, mod 10: [base + disp32]
-    byte(0x80 | (reg & 7) << 3 | (base & 7));
-    disp32(disp);
-  }
-  void push(int reg) { rex(false, 0, reg), byte(0x50 + (reg & 7)); }
-  void pop(int reg) { rex(false, 0, reg), byte(0x58 + (reg & 7)); }
-  void load_ptr(int reg, int base, int64_t disp) {  // mov reg, [base + disp]
-    rex(true, reg, base), byte(0x8B), mem(reg, base, disp);
-  }
-  void add_ptr(int reg, int base, int64_t disp) {  // add reg, [base + disp]
-    rex(true, reg, base), byte(0x03), mem(reg, base, disp);
-  }
-
-  // n (1, 2, 4, 8, 16 or 32) bytes from [src + s] to [dst + d]: through al/ax/eax/rax,
-  // or xmm0/ymm0 (vmovdqu).
-  void move(int n, int src, int64_t s, int dst, int64_t d) {
-    for (const bool load : {true, false}) {
-      const int base = load ? src : dst;
-      if (n >= 16) {  // VEX.{128,256}.F3.0F 6F (load) / 7F (store)
-        byte(0xC4), byte(base >= 8 ? 0xC1 : 0xE1), byte(n == 32 ? 0x7E : 0x7A);
-        byte(load ? 0x6F : 0x7F);
-      } else {
-        if (n == 2) byte(0x66);
-        rex(n == 8, 0, base);
-        byte(n == 1 ? (load ? 0x8A : 0x88) : (load ? 0x8B : 0x89));
-      }
-      mem(0, base, load ? s : d);
-    }
-  }
-};
-
-std::shared_ptr<const MachineCode> MachineCode::compile(const ForwardProgram& p) {
-  if (!kJit || p.ops.empty()) return nullptr;
-  constexpr int kRowArg = 7, kStrideArg = 6;  // rdi, rsi; rdx counts the rows
-  std::vector<std::pair<int64_t, bool>> tensors;
-  auto reg_of = [&](int64_t t, bool is_out) {
-    const std::pair<int64_t, bool> key{t, is_out};
-    auto it = std::find(tensors.begin(), tensors.end(), key);
-    if (it == tensors.end()) it = tensors.insert(tensors.end(), key);
-    const size_t k = static_cast<size_t>(it - tensors.begin());
-    return k < kMaxTensors ? kRegs[k] : -1;
-  };
-  Assembler a;
-  std::vector<int> saved;
-  for (const CopyRun& run : p.runs) {
-    reg_of(run.in_t, false), reg_of(run.out_t, true);
-  }
-  if (tensors.size() > kMaxTensors) return nullptr;
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    const int r = kRegs[k];
-    if (r == 3 || r == 5 || r >= 12) saved.push_back(r), a.push(r);  // callee-saved
-  }
-  for (size_t k = 0; k < tensors.size(); ++k) a.load_ptr(kRegs[k], kRowArg, 8 * int64_t(k));
-  const size_t top = a.code.size();
-  constexpr int64_t kMaxDisp = int64_t(1) << 31;
-  for (const CopyRun& run : p.runs) {
-    const int src = reg_of(run.in_t, false), dst = reg_of(run.out_t, true);
-    for (int64_t k = run.first; k < run.first + run.count; ++k) {
-      const CopyOp& op = p.ops[k];
-      if (op.src + op.nbytes >= kMaxDisp || op.dst + op.nbytes >= kMaxDisp) return nullptr;
-      for (int64_t done = 0; done < op.nbytes;) {
-        const int64_t left = op.nbytes - done;
-        const int n = left >= 32 ? 32 : left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4
-            : left >= 2 ? 2 : 1;
-        a.move(n, src, op.src + done, dst, op.dst + done);
-        done += n;
-      }
-      if (a.code.size() > kMaxBytes) return nullptr;
-    }
-  }
-  for (size_t k = 0; k < tensors.size(); ++k) a.add_ptr(kRegs[k], kStrideArg, 8 * int64_t(k));
-  a.byte(0x48), a.byte(0xFF), a.byte(0xCA);  // dec rdx
-  a.byte(0x0F), a.byte(0x85);  // jnz top
-  a.disp32(int64_t(top) - int64_t(a.code.size() + 4));
-  a.byte(0xC5), a.byte(0xF8), a.byte(0x77);  // vzeroupper
-  for (auto r = saved.rbegin(); r != saved.rend(); ++r) a.pop(*r);
-  a.byte(0xC3);  // ret
-
-  const size_t size = a.code.size();
-  void* mem = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (mem == MAP_FAILED) return nullptr;
-  std::memcpy(mem, a.code.data(), size);
-  if (mprotect(mem, size, PROT_READ | PROT_EXEC) != 0) {
-    munmap(mem, size);
-    return nullptr;
-  }
-  return std::shared_ptr<const MachineCode>(new MachineCode(mem, size, std::move(tensors)));
-}
-#else
-// No machine code here: compile() gives none, and run() would be the interpreter's.
-class MachineCode {
- public:
-  static std::shared_ptr<const MachineCode> compile(const ForwardProgram&) { return nullptr; }
-  void run(const ProgramRows& p, int64_t b0, int64_t b1) const { run_program_rows(p, b0, b1); }
-};
-#endif
-
 // The program of a plan's segments, kept with the plan: compiled to machine code too.
 ForwardProgram compile_kept(const std::vector<Segment>& segments, int64_t es) {
   ForwardProgram p = compile_forward(segments, es, /*reorder=*/true);
-  p.code = MachineCode::compile(p);
+  std::vector<RowCopy> copies;
+  copies.reserve(p.ops.size());
+  for (const CopyRun& run : p.runs) {
+    for (int64_t k = run.first; k < run.first + run.count; ++k) {
+      const CopyOp& op = p.ops[k];
+      copies.push_back(RowCopy{run.in_t, run.out_t, op.src, op.dst, op.nbytes});
+    }
+  }
+  p.code = compile_machine_code(copies);
   return p;
 }
 
@@ -843,7 +679,10 @@ void run_forward(
                          out_stride.data(),    program.in_passes};
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
     in_steps(b0, b1, bytes_per_row, after, [&](int64_t s0, int64_t s1) {
-      if (program.code && s1 > s0) return program.code->run(rows, s0, s1);
+      if (program.code && s1 > s0) {
+        return program.code->run(
+            in_base.data(), in_stride.data(), out_base.data(), out_stride.data(), s0, s1);
+      }
       run_program_rows(rows, s0, s1);
     });
   });
@@ -1373,13 +1212,8 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
 // What runs the copy programs kept with plans: "machine code", "avx2" (the interpreter's
 // AVX2 build) or "baseline".
 std::string cpu_copy_program() {
-#if defined(KT_X86_AVX2) && defined(__linux__)
-  if (kJit) return "machine code";
-#endif
-#if defined(KT_X86_AVX2)
-  if (kHasAvx2) return "avx2";
-#endif
-  return "baseline";
+  if (machine_code_enabled()) return "machine code";
+  return avx2_enabled() ? "avx2" : "baseline";
 }
 
 }  // namespace

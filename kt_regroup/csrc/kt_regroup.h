@@ -4,6 +4,7 @@
 //              regroup_keyed_tensor, argument checks, build info
 // portable.cpp kernels made of ATen copies, for every device (CompositeExplicitAutograd)
 // cpu.cpp      the native CPU kernels
+// machine_code.h/.cpp  the CPU copy programs as x86-64 machine code
 // cpu_memory.h/.cpp  the CPU kernels' large outputs: a bounded cache of freed blocks
 // autograd.cpp the autograd kernels (the only autograd when this library is loaded)
 #pragma once
