@@ -817,17 +817,25 @@ def test_narrow_rows_split_across_threads_copy_every_bit(four_threads, dtype, la
 
 # On x86-64 Linux with AVX2, copy programs kept with their plans run as machine code,
 # the rest in the interpreter's AVX2 build (32-byte moves); other CPUs run its baseline
-# build (16-byte moves).
+# build (16-byte moves). The report says what ran for the last plan, and why.
 @needs_cpu_kernel
 def test_copy_programs_run_as_machine_code_on_x86_64_linux_with_avx2():
     import os
     import platform
     import sys
 
-    avx2 = (platform.machine() in ("x86_64", "AMD64") and os.environ.get("KT_REGROUP_AVX2") != "0"
-            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    has_avx2 = x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    avx2 = has_avx2 and os.environ.get("KT_REGROUP_AVX2") != "0"
     jit = avx2 and sys.platform == "linux" and os.environ.get("KT_REGROUP_JIT") != "0"
-    want = "machine code" if jit else "avx2" if avx2 else "baseline"
+    why = ("KT_REGROUP_JIT=0" if avx2 and sys.platform == "linux"
+           else "no machine code on this platform (x86-64 Linux only)" if not x86
+           or sys.platform != "linux" else "KT_REGROUP_AVX2=0" if has_avx2
+           else "the CPU has no AVX2")
+    want = "machine code" if jit else f"{'avx2' if avx2 else 'baseline'} interpreter ({why})"
+    values = make_values(SMALL_LAYOUT, 3)
+    args = _metadata(SMALL_LAYOUT, coalesced=False)
+    assert_same_list(OP(values, *args), permute_multi_embedding_reference(values, *args))
     assert torch.ops.kt_regroup._cpu_copy_program() == want
 
 

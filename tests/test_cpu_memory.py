@@ -142,8 +142,7 @@ DEFAULT_LIMIT = 2 << 30
                                           reason="read only where there is an AVX2 build")),
     pytest.param({"KT_REGROUP_JIT": "maybe"}, f"{DEFAULT_LIMIT} False", "KT_REGROUP_JIT",
                  marks=pytest.mark.skipif(
-                     not hasattr(torch.ops.kt_regroup, "_cpu_copy_program")
-                     or torch.ops.kt_regroup._cpu_copy_program() != "machine code",
+                     not torch.ops.kt_regroup._cpu_machine_code([0, 0, 0, 0, 1]).numel(),
                      reason="read only where copy programs run as machine code")),
 ], ids=["max-mib", "huge-true", "huge-Off", "mib-2^44", "mib-2^63", "mib-2G", "mib-1.5",
         "mib-negative", "huge-maybe", "avx2-maybe", "jit-maybe"])

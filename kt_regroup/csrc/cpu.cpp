@@ -317,8 +317,10 @@ struct ForwardProgram {
   int64_t bytes_per_row = 0;
   int64_t es = 0;
   bool in_passes = false;  // rows go kRowsPerPass at a time (output order only)
-  // The program as machine code (programs kept with their plans; machine_code.h), or null.
+  // The program as machine code (programs kept with their plans; machine_code.h), or null,
+  // and why.
   std::shared_ptr<const MachineCode> code;
+  CopyEngineWhy engine{CopyEngine::kNotKept};
 };
 
 // Rows of at least this many bytes are copied in input order (`reorder`): past the L1
@@ -591,7 +593,7 @@ ForwardProgram compile_kept(const std::vector<Segment>& segments, int64_t es) {
       copies.push_back(RowCopy{run.in_t, run.out_t, op.src, op.dst, op.nbytes});
     }
   }
-  p.code = compile_machine_code(copies);
+  p.code = compile_machine_code(copies, p.engine);
   return p;
 }
 
@@ -629,6 +631,7 @@ void run_forward(
 
   if (use_streaming(
           batch * bytes_per_row, bytes_per_row / static_cast<int64_t>(segments.size()), warm)) {
+    record_copy_engine({CopyEngine::kStreaming, batch * bytes_per_row});
     struct Copy {
       const char* src;
       int64_t src_stride;
@@ -674,6 +677,7 @@ void run_forward(
     out_base[j] = static_cast<char*>(outs[j].data_ptr());
     out_stride[j] = outs[j].stride(0) * es;
   }
+  record_copy_engine(program.engine);
   const ProgramRows rows{program.runs.data(), program.runs.size(), program.ops.data(),
                          in_base.data(),       in_stride.data(),      out_base.data(),
                          out_stride.data(),    program.in_passes};
@@ -1209,19 +1213,8 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   return out;
 }
 
-// What runs the copy programs kept with plans: "machine code", "avx2" (the interpreter's
-// AVX2 build) or "baseline".
-std::string cpu_copy_program() {
-  if (machine_code_enabled()) return "machine code";
-  return avx2_enabled() ? "avx2" : "baseline";
-}
-
 }  // namespace
 }  // namespace kt_regroup
-
-TORCH_LIBRARY_FRAGMENT(kt_regroup, m) {
-  m.def("_cpu_copy_program() -> str", &kt_regroup::cpu_copy_program);
-}
 
 TORCH_LIBRARY_IMPL(kt_regroup, CPU, m) {
   m.impl("permute_multi_embedding", TORCH_FN(kt_regroup::permute_multi_embedding_cpu));

@@ -19,10 +19,6 @@ namespace kt_regroup {
 // AVX2, and KT_REGROUP_AVX2 not 0. Read at load.
 bool avx2_enabled();
 
-// Whether copy programs may be compiled to machine code: x86-64 Linux, avx2_enabled(), and
-// KT_REGROUP_JIT not 0. Read at load.
-bool machine_code_enabled();
-
 // One copy of a row: `nbytes` from byte `src` of a row of input `in_t` to byte `dst` of the
 // same row of output `out_t`.
 struct RowCopy {
@@ -33,8 +29,30 @@ struct RowCopy {
   int64_t nbytes;
 };
 
-// A copy program's code. Its page is written, then made read-only and
-// executable (never both writable and executable), and is unmapped with the object.
+// What ran a copy program, or why the interpreter did (for _cpu_copy_program).
+enum class CopyEngine : uint8_t {
+  kNone,  // no copy program has run yet
+  kMachineCode,
+  // the interpreter, because:
+  kNotBuilt,  // no machine code on this platform (x86-64 Linux only)
+  kNoAvx2,  // the CPU has no AVX2
+  kAvx2Off,  // KT_REGROUP_AVX2=0
+  kJitOff,  // KT_REGROUP_JIT=0
+  kTooManyTensors,  // detail: the program's tensors
+  kFarOffsets,  // detail: the farthest byte of a row a copy reaches
+  kTooLarge,  // detail: the bytes of code it would take
+  kRefused,  // executable memory refused; detail: errno * 2 + (1 for mprotect, 0 for mmap)
+  kNotKept,  // a program not kept with a plan (a pass of the fused cast) is not compiled
+  // no program: rows past the cache are copied with streaming stores; detail: bytes
+  kStreaming,
+};
+struct CopyEngineWhy {
+  CopyEngine engine;
+  int64_t detail = 0;
+};
+
+// A copy program's code. Its page is written, then made read-only and executable (never
+// both writable and executable), and is unmapped with the object.
 class MachineCode {
  public:
   MachineCode(const MachineCode&) = delete;
@@ -56,7 +74,8 @@ class MachineCode {
   static constexpr size_t kMaxBytes = 64 << 10;
 
  private:
-  friend std::shared_ptr<const MachineCode> compile_machine_code(const std::vector<RowCopy>&);
+  friend std::shared_ptr<const MachineCode> compile_machine_code(
+      const std::vector<RowCopy>&, CopyEngineWhy&);
   using Fn = void (*)(char* const* row, const int64_t* stride, int64_t rows);
   MachineCode(void* code, size_t size, std::vector<std::pair<int64_t, bool>> tensors);
 
@@ -66,9 +85,14 @@ class MachineCode {
   std::vector<std::pair<int64_t, bool>> tensors_;  // per register: (index, is an output)
 };
 
-// The code of `copies` (run in that order, every row), or null: no machine code on this
-// platform or CPU, KT_REGROUP_JIT=0, more than kMaxTensors tensors, offsets past 2 GiB, more
-// than kMaxBytes of code, or no executable memory. The interpreter runs the program then.
-std::shared_ptr<const MachineCode> compile_machine_code(const std::vector<RowCopy>& copies);
+// The code of `copies` (run in that order, every row), or null and why not: no machine
+// code on this platform or CPU, KT_REGROUP_JIT=0, more than kMaxTensors tensors, offsets
+// past 2 GiB, more than kMaxBytes of code (known from the copies' sizes before any code is
+// written), or no executable memory. The interpreter runs the program then.
+std::shared_ptr<const MachineCode> compile_machine_code(
+    const std::vector<RowCopy>& copies, CopyEngineWhy& why);
+
+// Records what ran a copy program (the last call's answer to _cpu_copy_program).
+void record_copy_engine(CopyEngineWhy why);
 
 }  // namespace kt_regroup
