@@ -8,9 +8,11 @@ fx tracing keeps them as single calls, and they are TorchScript-able. The helper
 
 import re
 import sys
+import threading
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from kt_regroup.plan import arguments
@@ -141,8 +143,11 @@ class VariableBatchKeyedTensor(KeyedTensor):
     KJT: per key, the pooled rows ``[rows_k, D_k]`` and the row of each sample
     (``indices[k]``, ``[B]``; None: one row per sample). ``values()``, ``to_dict()`` and
     every other ``KeyedTensor`` method see torchrec's ``[B, sum(D)]`` values, expanded once
-    by :func:`kt_regroup.ops.permute_multi_embedding_vbe`; kt_regroup's regroups
-    (``KTRegroupAsDict``, ``regroup``) read the rows directly.
+    by :func:`kt_regroup.ops.permute_multi_embedding_vbe` under the grad and inference
+    modes the KeyedTensor was made in (torchrec computes them then), whatever mode the
+    first read runs in. Until then kt_regroup's regroups read the rows directly; from
+    then on every consumer reads the values, so in-place changes to them are seen.
+    Pickling and pytree flattening give a plain ``KeyedTensor`` of the values.
     """
 
     def __init__(
@@ -153,17 +158,64 @@ class VariableBatchKeyedTensor(KeyedTensor):
         indices: List[Optional[torch.Tensor]],
     ) -> None:
         self.pooled, self.indices, self._expanded = pooled, indices, None
+        self._modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         super().__init__(keys, length_per_key, None)  # type: ignore[arg-type]
 
     @property
     def _values(self) -> torch.Tensor:  # type: ignore[override]
-        if self._expanded is None:
-            (self._expanded,) = regroup_rows([self], [self.keys()], None)
-        return self._expanded
+        values = self._expanded
+        if values is None:
+            with _EXPAND_LOCK:  # one expansion: every reader gets the same tensor
+                values = self._expanded
+                if values is None:
+                    values = self._expanded = self._expand()
+        return values
 
     @_values.setter
     def _values(self, values: Optional[torch.Tensor]) -> None:
         self._expanded = values
+
+    def _expand(self) -> torch.Tensor:
+        grad, inference = self._modes
+        if (grad, inference) == (torch.is_grad_enabled(), torch.is_inference_mode_enabled()):
+            return regroup_rows([self], [self.keys()], None)[0]
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return regroup_rows([self], [self.keys()], None)[0]
+
+    def __reduce__(self):  # a plain KeyedTensor: loads without kt_regroup
+        return (
+            KeyedTensor,
+            (self._keys, self._length_per_key, self._values, self._key_dim,
+             self._offset_per_key, self._index_per_key),
+        )
+
+
+_EXPAND_LOCK = threading.RLock()
+
+
+_Context = Tuple[List[str], List[int]]
+
+
+def _flatten_vbkt(kt: VariableBatchKeyedTensor) -> Tuple[List[torch.Tensor], _Context]:
+    return [kt._values], (kt._keys, kt._length_per_key)
+
+
+def _flatten_vbkt_with_keys(kt: VariableBatchKeyedTensor):
+    return [(pytree.GetAttrKey("_values"), kt._values)], (kt._keys, kt._length_per_key)
+
+
+def _unflatten_vbkt(values: List[torch.Tensor], context: _Context) -> KeyedTensor:
+    return KeyedTensor(list(context[0]), list(context[1]), values[0])
+
+
+# As torchrec's KeyedTensor: one leaf, the values (pytree finds nodes by exact type).
+pytree.register_pytree_node(
+    VariableBatchKeyedTensor,
+    _flatten_vbkt,
+    _unflatten_vbkt,
+    serialized_type_name="kt_regroup.VariableBatchKeyedTensor",
+    flatten_with_keys_fn=_flatten_vbkt_with_keys,
+)
 
 
 # --- what KTRegroupAsDict runs (kt_regroup.module) ------------------------------------
@@ -205,7 +257,9 @@ class Plan(NamedTuple):
 
     ``views`` (``allow_views``) holds per group ``[input, offset, width]`` for a group
     returned as a view and ``[-1, 0, 0]`` for one the op copies; the permute tensors then
-    cover the copied groups only. Without views it is empty.
+    cover the copied groups only. Without views it is empty. ``rows`` (variable-batch
+    inputs) holds per input whether it is regrouped from its pooled rows; the permute
+    tensors then take such an input as one tensor per key. Without such inputs it is empty.
     """
 
     in_keys: List[List[str]]
@@ -216,6 +270,7 @@ class Plan(NamedTuple):
     out_shapes: torch.Tensor
     out_lengths: List[int]
     views: List[List[int]]
+    rows: List[bool]
 
 
 @torch.fx.wrap
@@ -230,12 +285,16 @@ def regroup_with_plan(
 ) -> Dict[str, torch.Tensor]:
     """The regroup with ``plan`` (``checked``: known to match the inputs), or with an
     uncached plan where the inputs' layout differs from it."""
+    if not torch.jit.is_scripting() and checked and len(plan.rows) > 0:
+        return dict(zip(names, regroup_rows(keyed_tensors, groups, dtype, plan, multi_device)))
     values = [kt.values() for kt in keyed_tensors]
     if dtype is None:
         _check_one_dtype(values)
     permutes, in_shapes, out_shapes = plan.permutes, plan.in_shapes, plan.out_shapes
     out_lengths, views, key_dim = plan.out_lengths, plan.views, plan.key_dim
-    if not checked and not matches(keyed_tensors, plan.in_keys, plan.in_lengths, key_dim):
+    if not checked and (
+        len(plan.rows) > 0 or not matches(keyed_tensors, plan.in_keys, plan.in_lengths, key_dim)
+    ):
         keys, lengths, key_dim = layout(keyed_tensors, "KTRegroupAsDict")
         permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
             values[0], keys, lengths, groups
@@ -277,51 +336,108 @@ def has_pooled_rows(keyed_tensors: List[KeyedTensor]) -> bool:
     if not isinstance(keyed_tensors, (list, tuple)):
         return False
     for kt in keyed_tensors:  # a plain KeyedTensor first: neither kind, and the usual one
-        if type(kt) is not KeyedTensor and isinstance(_waited(kt), VariableBatchKeyedTensor):
+        if type(kt) is not KeyedTensor and _rows_of(_waited(kt)):
             return True
     return False
 
 
 @torch.jit.unused
-def regroup_rows(
-    keyed_tensors: List[KeyedTensor], groups: List[List[str]], dtype: Optional[torch.dtype]
-) -> List[torch.Tensor]:
-    """The regroup of inputs some of which are :class:`VariableBatchKeyedTensor`: one
-    ``permute_multi_embedding_vbe`` call on their pooled rows (one input per key) and the
-    other inputs' values. Mixed dtypes promote as :func:`regroup` does."""
-    pooled: List[torch.Tensor] = []
-    indices: List[Optional[torch.Tensor]] = []
+def _rows_of(kt: KeyedTensor) -> bool:
+    """Whether ``kt`` is regrouped from its pooled rows: a variable-batch KeyedTensor whose
+    values nobody has read (once they exist, they are what every consumer reads)."""
+    return isinstance(kt, VariableBatchKeyedTensor) and kt._expanded is None
+
+
+@torch.jit.unused
+def rows_layout(
+    keyed_tensors: List[KeyedTensor],
+) -> Tuple[List[bool], List[List[str]], List[List[int]]]:
+    """Per input, whether it is regrouped from its pooled rows, and the op's inputs' keys
+    and widths: one tensor per key of such an input, the values of any other."""
+    rows: List[bool] = []
     keys: List[List[str]] = []
     lengths: List[List[int]] = []
     for kt in map(_waited, keyed_tensors):
         if kt.key_dim() != 1:
             raise ValueError("kt_regroup: variable-batch inputs regroup along key_dim 1 only")
-        if isinstance(kt, VariableBatchKeyedTensor):
-            pooled += kt.pooled
-            indices += kt.indices
+        rows.append(_rows_of(kt))
+        if rows[-1]:
             keys += [[k] for k in kt.keys()]
             lengths += [[int(n)] for n in kt.length_per_key()]
         else:
-            pooled.append(kt.values())
-            indices.append(None)
             keys.append(list(kt.keys()))
             lengths.append([int(n) for n in kt.length_per_key()])
-    promoted = pooled[0].dtype
-    for p in pooled:
-        promoted = torch.promote_types(promoted, p.dtype)
-    pooled = [p.to(promoted) for p in pooled]
-    permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
-        pooled[0], keys, lengths, groups
-    )
+    return rows, keys, lengths
+
+
+@torch.jit.unused
+def regroup_rows(
+    keyed_tensors: List[KeyedTensor],
+    groups: List[List[str]],
+    dtype: Optional[torch.dtype],
+    plan: Optional[Plan] = None,
+    multi_device: bool = False,
+) -> List[torch.Tensor]:
+    """The regroup of inputs some of which are :class:`VariableBatchKeyedTensor`: one
+    ``permute_multi_embedding_vbe`` call on their pooled rows (one input per key) and the
+    other inputs' values. Mixed dtypes promote as :func:`regroup` does. ``plan``: a
+    :class:`Plan` known to match the inputs (its ``rows`` say which are read as rows)."""
+    pooled: List[torch.Tensor] = []
+    indices: List[Optional[torch.Tensor]] = []
+    if plan is None:
+        rows, keys, lengths = rows_layout(keyed_tensors)
+    else:
+        rows = plan.rows
+    for kt, from_rows in zip(map(_waited, keyed_tensors), rows):
+        if from_rows:
+            pooled += kt.pooled
+            indices += kt.indices
+        else:
+            pooled.append(kt.values())
+            indices.append(None)
+    if plan is None:
+        permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
+            pooled[0], keys, lengths, groups
+        )
+    else:
+        permutes, in_shapes, out_shapes = plan.permutes, plan.in_shapes, plan.out_shapes
+        out_lengths = plan.out_lengths
+        if multi_device:
+            device = pooled[0].device
+            permutes = permutes.to(device, non_blocking=True)
+            in_shapes = in_shapes.to(device, non_blocking=True)
+            out_shapes = out_shapes.to(device, non_blocking=True)
     try:
         outs = torch.ops.kt_regroup.permute_multi_embedding_vbe(
             pooled, indices, permutes, in_shapes, out_shapes, out_lengths
         )
-    except IndexError as exc:  # name the key of the input the op names
-        found = re.search(r"indices\[(\d+)\]\[(\d+)\]", str(exc))
-        if found is None:
-            raise
-        raise IndexError(
-            f"kt_regroup: key {keys[int(found[1])][0]!r}, sample {found[2]}: {exc}"
-        ) from exc
+    except (IndexError, TypeError) as exc:
+        outs = _rows_error(
+            exc, keyed_tensors, pooled, indices, permutes, in_shapes, out_shapes, out_lengths
+        )
     return outs if dtype is None else [o.to(dtype) for o in outs]
+
+
+@torch.jit.unused
+def _rows_error(
+    exc: Exception, keyed_tensors: List[KeyedTensor], pooled: List[torch.Tensor],
+    indices: List[Optional[torch.Tensor]], permutes: torch.Tensor, in_shapes: torch.Tensor,
+    out_shapes: torch.Tensor, out_lengths: List[int],
+) -> List[torch.Tensor]:
+    """After the op's error: mixed dtypes are promoted and the call made again; a bad
+    index is re-raised naming its key."""
+    if isinstance(exc, TypeError):
+        promoted = pooled[0].dtype
+        for p in pooled:
+            promoted = torch.promote_types(promoted, p.dtype)
+        if all(p.dtype == promoted for p in pooled):
+            raise exc
+        return torch.ops.kt_regroup.permute_multi_embedding_vbe(
+            [p.to(promoted) for p in pooled], indices, permutes, in_shapes, out_shapes, out_lengths
+        )
+    found = re.search(r"indices\[(\d+)\]\[(\d+)\]", str(exc))
+    if found is None:
+        raise exc
+    keys = rows_layout(keyed_tensors)[1]
+    key, sample = keys[int(found[1])][0], found[2]
+    raise IndexError(f"kt_regroup: key {key!r}, sample {sample}: {exc}") from exc

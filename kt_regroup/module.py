@@ -2,7 +2,8 @@
 
 The first eager forward builds a :class:`RegroupPlanModule` (the plan of the inputs'
 layout); every call runs ``regroup_with_plan`` (kt_regroup/functional.py, an fx leaf).
-Three routes: eager with a matching plan; eager with a cold or stale one (rebuilt and
+Three routes: eager with a matching plan (variable-batch inputs included: such a plan
+reads them as pooled rows); eager with a cold or stale one (rebuilt and
 swapped in with one assignment, so threads never see half a plan and the warm path takes
 no lock); a graph (fx, TorchScript, ``torch.compile``, ``torch.export``), where the
 module's state stays as it is and the call checks the layout itself.
@@ -19,12 +20,13 @@ from torchrec.types import CacheMixin, DataType
 
 from kt_regroup.functional import (
     Plan,
+    _rows_of,
     _waited,
     has_pooled_rows,
     layout,
     matches,
-    regroup_rows,
     regroup_with_plan,
+    rows_layout,
 )
 from kt_regroup.plan import get_plan
 
@@ -50,6 +52,7 @@ class RegroupPlanModule(torch.nn.Module):
     key_dim: int
     out_lengths: List[int]
     views: List[List[int]]
+    rows: List[bool]
 
     def __init__(
         self,
@@ -59,22 +62,24 @@ class RegroupPlanModule(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.in_keys, self.in_lengths, self.key_dim = [], [], 1
-        self.out_lengths, self.views = [], []
+        self.out_lengths, self.views, self.rows = [], [], []
         tensors = (torch.empty(0, 6, dtype=torch.int32),) + (torch.empty(0, dtype=torch.int32),) * 2
         device = torch.device("cpu")
         if keyed_tensors is not None and groups is not None:
             keys, lengths, self.key_dim = layout(keyed_tensors, "KTRegroupAsDict")
             self.in_keys = [list(k) for k in keys]
             self.in_lengths = [list(n) for n in lengths]
+            if has_pooled_rows(keyed_tensors):  # variable-batch: the op takes rows per key
+                self.rows, keys, lengths = rows_layout(keyed_tensors)
             plan = _get_plan(keys, lengths, groups)  # layout errors
-            if allow_views and self.key_dim == 1:
+            if allow_views and self.key_dim == 1 and len(self.rows) == 0:
                 specs = plan.view_specs()
                 if any(s is not None for s in specs):
                     self.views = [[-1, 0, 0] if s is None else list(s) for s in specs]
                     plan = plan.restricted([j for j, s in enumerate(specs) if s is None])
             self.out_lengths = list(plan.out_lengths)
             tensors = plan.tensors()
-            device = keyed_tensors[0].values().device
+            device = _some_data(keyed_tensors[0]).device
         # The truth on the host, for _apply; the buffers follow the module's device.
         self._host = tensors
         for name, t in zip(_BUFFERS, tensors):
@@ -84,17 +89,25 @@ class RegroupPlanModule(torch.nn.Module):
     def plan(self) -> Plan:
         return Plan(
             self.in_keys, self.in_lengths, self.key_dim, self._permutes, self._in_shapes,
-            self._out_shapes, self.out_lengths, self.views,
+            self._out_shapes, self.out_lengths, self.views, self.rows,
         )
 
     def matches(self, keyed_tensors: List[KeyedTensor]) -> bool:
         """Whether this plan serves ``keyed_tensors``: the keys and widths it was built
-        for, and buffers that hold values (not meta) wherever the data is."""
-        return (
+        for, the same inputs read as pooled rows, and buffers that hold values (not meta)
+        wherever the data is."""
+        if not (
             isinstance(keyed_tensors, (list, tuple))
             and matches(keyed_tensors, self.in_keys, self.in_lengths, self.key_dim)
-            and (not self._warm.permutes.is_meta or keyed_tensors[0].values().is_meta)
-        )
+        ):
+            return False
+        rows = self.rows
+        if len(rows) == 0:
+            if has_pooled_rows(keyed_tensors):
+                return False
+        elif [_rows_of(_waited(kt)) for kt in keyed_tensors] != rows:
+            return False
+        return not self._warm.permutes.is_meta or _some_data(keyed_tensors[0]).is_meta
 
     def _apply(self, fn, recurse=True):
         # to_empty() and .type() would spoil the plan: buffers are rebuilt from the host copy
@@ -116,6 +129,12 @@ class RegroupPlanModule(torch.nn.Module):
 
 
 _BUFFERS = ("_permutes", "_in_shapes", "_out_shapes")
+
+
+def _some_data(kt: KeyedTensor) -> torch.Tensor:
+    """A tensor of ``kt``'s data, on its device (pooled rows are not expanded for it)."""
+    kt = _waited(kt)
+    return kt.pooled[0] if _rows_of(kt) and len(kt.pooled) > 0 else kt.values()
 
 
 def _in_graph() -> bool:
@@ -204,8 +223,8 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         plan = RegroupPlanModule(keyed_tensors, self._groups, self._allow_views)
         if len(self._plan.in_keys) > 0 and not self._stale_warned:
             logger.warning(
-                "KTRegroupAsDict(keys=%s): the inputs' keys or widths changed since the plan "
-                "was built; rebuilding it (shown once per module)", self._keys,
+                "KTRegroupAsDict(keys=%s): the inputs' keys, widths or kind (variable-batch rows) "
+                "changed since the plan was built; rebuilding it (shown once per module)", self._keys,
             )
             self._stale_warned = True
         self._plan = plan
@@ -226,8 +245,6 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         # read once: other threads may swap in their own plans (_modules: the submodule
         # without nn.Module.__getattr__, a microsecond a call)
         plan = self._modules["_plan"]
-        if has_pooled_rows(keyed_tensors):  # variable-batch: from the pooled rows
-            return dict(zip(self._keys, regroup_rows(keyed_tensors, self._groups, self._dtype)))
         if not plan.matches(keyed_tensors):  # cold or stale: a new plan, swapped in
             plan = self._refresh(keyed_tensors)
         return regroup_with_plan(

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Dict
+import pickle
+import subprocess
+import sys
+from typing import Dict, List
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import permute_multi_embedding_reference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kt_regroup  # noqa: F401
 from kt_regroup.ops import kt_regroup_arguments, permute_multi_embedding_vbe
@@ -284,8 +288,6 @@ def test_vbe_inference_mode_index_trains():
 def test_vbe_stride0_index_of_a_huge_batch_fails_at_once():
     """An expanded (stride-0) index holds one value: it is checked once, so a batch of 2^40
     reaches the allocation error at once instead of after 2^40 checks (minutes)."""
-    import subprocess
-    import sys
 
     code = (
         "import torch, kt_regroup\n"
@@ -485,3 +487,225 @@ def test_patched_vbe_under_fx_torchscript_compile_and_export_is_torchrec():
     assert got[1] == exported[1]
     if exported[1] is None:
         assert torch.equal(got[0], exported[0])
+
+
+# --- the lazy KeyedTensor behaves as torchrec's (issue 35, item 1) ------------------------
+
+
+def _weights(o):  # non-integer: the summation order shows in the bits
+    return torch.linspace(0.1, 1.7, o.numel()).view_as(o)
+
+
+def _twin_ebcs():
+    """Unpatched torchrec's EBC and a copy for the patched one, same weights."""
+    torch.manual_seed(0)
+    ebc = VbeModel(tr_regroup.KTRegroupAsDict).ebc
+    return ebc, copy.deepcopy(ebc)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_first_read_without_grad_keeps_the_gradients(mode):
+    """A metrics hook reads values() under no_grad / inference_mode first; the model's
+    later grad-mode reads and regroup still train every table, as torchrec's do."""
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+
+    def step(ebc, kjt):
+        kt = ebc(kjt)
+        with context():
+            metric = kt.values().norm()
+        outs = tr_regroup.KTRegroupAsDict(GROUPS, ["a", "b"])([kt])
+        loss = (kt.values() * _weights(kt.values())).sum() + kt["item"].sum()
+        loss = loss + sum((o * _weights(o)).sum() for o in outs.values())
+        return metric, torch.autograd.grad(loss, list(ebc.parameters()))
+
+    reference, patched = _twin_ebcs()
+    kjt = vbe_kjt(batch=5, seed=1)
+    want = step(reference, kjt)
+    with kt_regroup.patch_torchrec():
+        got = step(patched, kjt)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    _same(got[1], want[1])
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_made_without_grad_read_in_grad_mode_is_torchrecs(mode):
+    """Made under no_grad / inference_mode, the values are what torchrec's would be: no
+    graph, and an inference tensor where torchrec's is one."""
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    reference, patched = _twin_ebcs()
+    kjt = vbe_kjt(batch=5, seed=1)
+    with context():
+        want = reference(kjt)
+    with kt_regroup.patch_torchrec():
+        with context():
+            got = patched(kjt)
+        assert type(got) is VariableBatchKeyedTensor
+        values = got.values()  # read in grad mode
+    assert values.requires_grad == want.values().requires_grad == False  # noqa: E712
+    assert values.is_inference() == want.values().is_inference() == (mode == "inference_mode")
+    assert torch.equal(values, want.values())
+
+
+@pytest.mark.parametrize("change", ["mul_", "clamp_", "dropout"])
+def test_in_place_change_to_values_is_seen_by_every_consumer(change):
+    """torchrec's regroup reads values(); after an in-place change to them, so does ours."""
+
+    def edit(values):
+        if change == "mul_":
+            values.mul_(10.0)
+        elif change == "clamp_":
+            values.clamp_(min=0.05)
+        else:
+            torch.manual_seed(3)
+            torch.nn.functional.dropout(values, 0.5, training=True, inplace=True)
+
+    def step(ebc, regroup_cls, kjt):
+        kt = ebc(kjt)
+        edit(kt.values())
+        outs = regroup_cls(GROUPS, ["a", "b"])([kt])
+        regrouped = KeyedTensor.regroup([kt], GROUPS)
+        outs = list(outs.values()) + regrouped + [kt["hist"]]
+        loss = sum((o * _weights(o)).sum() for o in outs)
+        return [o.detach() for o in outs], list(torch.autograd.grad(loss, list(ebc.parameters())))
+
+    reference, patched = _twin_ebcs()
+    kjt = vbe_kjt(batch=6, seed=2)
+    want = step(reference, tr_regroup.KTRegroupAsDict, kjt)
+    with kt_regroup.patch_torchrec():
+        for regroup_cls in (tr_regroup.KTRegroupAsDict, kt_regroup.KTRegroupAsDict):
+            got = step(copy.deepcopy(patched), regroup_cls, kjt)
+            _same(got[0], want[0])
+            _same(got[1], want[1])
+
+
+def _observe(kt):
+    """What user code sees of a KeyedTensor, in a form two runs can compare."""
+    values = kt.values()
+    seen = {
+        "same tensor": kt.values() is values and kt._values is values,
+        "requires_grad": values.requires_grad,
+        "grad_fn": values.grad_fn is not None,
+        "detach": torch.equal(values.detach(), values) and not values.detach().requires_grad,
+        "size_in_bytes": kt.size_in_bytes(),
+        "device": kt.device(),
+        "offset_per_key": kt.offset_per_key(),
+    }
+    version = values._version
+    values.add_(0.5)
+    seen["version step"] = values._version - version
+    seen["key sees it"] = kt["user"].detach().clone()
+    moved = kt.to(torch.device("cpu"))
+    seen["to"] = (type(moved), moved.keys(), moved.values().detach().clone())
+    leaves, spec = torch.utils._pytree.tree_flatten([kt])
+    back = torch.utils._pytree.tree_unflatten(leaves, spec)[0]
+    seen["pytree"] = (len(leaves), leaves[0] is values, type(back), back.values() is values)
+    detached = KeyedTensor(kt.keys(), kt.length_per_key(), values.detach())
+    for name, obj in (("pickle", kt), ("pickle detached", detached)):
+        try:
+            back = pickle.loads(pickle.dumps(obj))
+            seen[name] = (type(back), back.keys(), back.length_per_key(), back.values().detach())
+        except Exception as exc:  # noqa: BLE001  (compared with torchrec's outcome)
+            seen[name] = type(exc)
+    return seen
+
+
+def _assert_same(a, b, name):
+    if isinstance(b, tuple):
+        assert isinstance(a, tuple) and len(a) == len(b), name
+        for x, y in zip(a, b):
+            _assert_same(x, y, name)
+    elif isinstance(b, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    else:
+        assert a == b, name
+
+
+def test_keyed_tensor_methods_behave_as_torchrecs():
+    reference, patched = _twin_ebcs()
+    kjt = vbe_kjt(batch=5, seed=4)
+    want = _observe(reference(kjt))
+    with kt_regroup.patch_torchrec():
+        kt = patched(kjt)
+        assert type(kt) is VariableBatchKeyedTensor
+        got = _observe(kt)
+        # pickled as a plain KeyedTensor: it loads where kt_regroup is not imported
+        frozen = pickle.dumps(patched(kjt))
+    assert got.keys() == want.keys()
+    for name in want:
+        _assert_same(got[name], want[name], name)
+    script = (
+        "import pickle, sys; kt = pickle.loads(sys.stdin.buffer.read()); "
+        "assert 'kt_regroup' not in sys.modules, 'kt_regroup was imported'; "
+        "print(type(kt).__name__, tuple(kt.values().shape))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], input=frozen, capture_output=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().split() == ["KeyedTensor", "(5,", "21)"]
+
+
+# --- KTRegroupAsDict keeps a plan for variable-batch inputs (issue 35, item 8) ----------
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_module_keeps_a_plan_for_variable_batch_inputs():
+    """Warm steps run the fused op and nothing else: no kt_regroup_arguments, no casts;
+    outputs and gradients stay torchrec's as the inputs flip between rows and values."""
+    torch.manual_seed(0)
+    reference = VbeModel(tr_regroup.KTRegroupAsDict)
+    with kt_regroup.patch_torchrec():
+        model = VbeModel(kt_regroup.KTRegroupAsDict)
+        model.ebc.load_state_dict(reference.ebc.state_dict())
+        plans = []
+        read_first = [False, False, False, True, False, False]
+        for step in range(len(read_first)):
+            kjt = vbe_kjt(batch=4 + step, seed=step)
+            kt = model.ebc(kjt)
+            if read_first[step]:  # the values exist: the regroup reads them (a plain plan)
+                kt.values()
+            with _OpLog() as log:
+                outs = model.regroup([kt])
+            if step in (1, 2, 5):  # warm
+                assert log.ops == ["kt_regroup.permute_multi_embedding_vbe.default"], log.ops
+            plans.append(model.regroup._plan)
+            got = [o.detach() for o in outs.values()]
+            loss = sum((o * _weights(o)).sum() for o in outs.values())
+            got_grads = torch.autograd.grad(loss, list(model.parameters()))
+            want_outs = reference.regroup([reference.ebc(kjt)])
+            want = [o.detach() for o in want_outs.values()]
+            loss = sum((o * _weights(o)).sum() for o in want_outs.values())
+            _same(got, want)
+            _same(got_grads, torch.autograd.grad(loss, list(reference.parameters())))
+    assert plans[0] is plans[1] is plans[2] and len(plans[0].rows) == 1
+    assert plans[3].rows == [] and plans[4] is not plans[3] and plans[4].rows == [True]
+    assert plans[5] is plans[4]
+
+
+def test_module_promotes_variable_batch_inputs_of_mixed_dtypes():
+    """As torchrec's EBC output (its torch.cat promotes), with and without a warm plan."""
+    g = torch.Generator().manual_seed(5)
+    pooled = [torch.randn(3, 2, generator=g), torch.randn(2, 4, generator=g, dtype=torch.float64)]
+    indices = [torch.tensor([0, 2, 1, 1]), None]
+    with pytest.raises(ValueError):  # 2 rows of an unindexed input against a batch of 4
+        kt_regroup.KTRegroupAsDict([["b", "a"]], ["g"])(
+            [VariableBatchKeyedTensor(["a", "b"], [2, 4], pooled, indices)]
+        )
+    indices[1] = torch.tensor([1, 0, 0, 1])
+    module = kt_regroup.KTRegroupAsDict([["b", "a"], ["a"]], ["g", "h"])
+    for _ in range(2):
+        kt = VariableBatchKeyedTensor(["a", "b"], [2, 4], pooled, indices)
+        got = module([kt])
+        want = torch.cat([pooled[0][indices[0]].double(), pooled[1][indices[1]]], 1)
+        assert got["g"].dtype == torch.float64
+        torch.testing.assert_close(got["g"], torch.cat([want[:, 2:], want[:, :2]], 1), rtol=0, atol=0)
+        torch.testing.assert_close(got["h"], want[:, :2], rtol=0, atol=0)
