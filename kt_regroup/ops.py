@@ -114,16 +114,21 @@ def library_path() -> str:
 # --- fake kernels: sizes only --------------------------------------------------------------
 
 
+def _one_device(op: str, named) -> None:
+    """Meta tensors next to real ones dispatch to the fake kernels too: refused, naming
+    one of each, never an uninitialised real result or outputs left unwritten."""
+    real = [(label, t) for label, t in named
+            if t is not None and not t.is_meta and not isinstance(t, FakeTensor)]
+    if real:
+        meta = next(label for label, t in named if t is not None and t.is_meta)
+        raise ValueError(
+            f"kt_regroup.{op}: {real[0][0]} is on {real[0][1].device} but {meta} is on meta; "
+            "all must be on one device"
+        )
+
+
 def _check_sizes(op: str, name: str, tensors, sizes, sizes_name="out_lengths", **metadata) -> torch.Tensor:
-    # Meta tensors next to real ones dispatch here too: refused, never an uninitialised
-    # real result or outputs left unwritten.
-    named = [(f"{name}[{i}]", t) for i, t in enumerate(tensors)] + list(metadata.items())
-    for label, t in named:
-        if t is not None and not t.is_meta and not isinstance(t, FakeTensor):
-            raise ValueError(
-                f"kt_regroup.{op}: {label} is on {t.device} but other arguments are on "
-                "meta; all must be on one device"
-            )
+    _one_device(op, [(f"{name}[{i}]", t) for i, t in enumerate(tensors)] + list(metadata.items()))
     first = next((t for t in tensors if t is not None), None)
     if first is None:
         raise ValueError(f"kt_regroup.{op}: {name} is empty")
@@ -307,10 +312,9 @@ def empty_cpu_cache() -> None:
 # returns the input gradients flattened into one tensor, input after input.
 
 
-def _vbe_batch(op: str, tensors, indices) -> int:
-    for t in [*tensors, *indices]:
-        if t is not None and not t.is_meta and not isinstance(t, FakeTensor):
-            raise ValueError(f"kt_regroup.{op}: a tensor is on {t.device} but others are on meta")
+def _vbe_batch(op: str, tensors, indices, **metadata) -> int:
+    _one_device(op, [(f"pooled_embs[{i}]", t) for i, t in enumerate(tensors)]
+                + [(f"indices[{i}]", t) for i, t in enumerate(indices)] + list(metadata.items()))
     given = [ix for ix in indices if ix is not None]
     if given:
         return given[0].size(0)
@@ -324,18 +328,19 @@ def _vbe_batch(op: str, tensors, indices) -> int:
 def _(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths):
     if len(pooled_embs) == 0:
         raise ValueError("kt_regroup.permute_multi_embedding_vbe: pooled_embs is empty")
-    batch = _vbe_batch("permute_multi_embedding_vbe", pooled_embs, indices)
+    batch = _vbe_batch("permute_multi_embedding_vbe", pooled_embs, indices, permutes=permutes,
+                       in_shapes=in_shapes, out_shapes=out_shapes)
     return [pooled_embs[0].new_empty(batch, n) for n in out_lengths]
 
 
 @torch.library.register_fake("kt_regroup::permute_multi_embedding_vbe_backward")
 def _(grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype):
-    for t in [*grad_outputs, *indices]:
-        if t is not None and not t.is_meta and not isinstance(t, FakeTensor):
-            raise ValueError(
-                "kt_regroup.permute_multi_embedding_vbe_backward: a tensor is on "
-                f"{t.device} but others are on meta"
-            )
+    _one_device(
+        "permute_multi_embedding_vbe_backward",
+        [(f"grad_outputs[{j}]", g) for j, g in enumerate(grad_outputs)]
+        + [(f"indices[{i}]", t) for i, t in enumerate(indices)]
+        + [("permutes", permutes), ("in_shapes", in_shapes), ("out_shapes", out_shapes)],
+    )
     device = next((g.device for g in grad_outputs if g is not None), permutes.device)
     return torch.empty(sum(r * n for r, n in zip(in_rows, in_lengths)), dtype=dtype, device=device)
 

@@ -387,3 +387,92 @@ def test_careless_calls_get_clear_errors():
         backward([torch.ones(3, 2)], p, i, o, [-2], 3, torch.float32)
     with pytest.raises(ValueError, match=r"batch_size is negative \(-3\)"):
         backward([None], p, i, o, [2], -3, torch.float32)
+
+
+# --- tensors that are not dense: sparse, mkldnn, quantized, nested (issue 35, item 3) ----
+
+
+def _not_dense(kind: str, x: torch.Tensor) -> torch.Tensor:
+    if kind == "sparse_coo":
+        return x.to_sparse()
+    if kind == "sparse_csr":
+        return x.to_sparse_csr()
+    if kind == "mkldnn":
+        return x.to_mkldnn()
+    if kind == "quantized":
+        return torch.quantize_per_tensor(x, 0.1, 0, torch.quint8)
+    if kind == "nested":
+        return torch.nested.nested_tensor([x[0], x[1]])
+    return torch.nested.nested_tensor([x[0], x[1, :2]], layout=torch.jagged)
+
+
+NOT_DENSE = {
+    "sparse_coo": r"has layout torch\.sparse_coo; pass a dense \(strided\) tensor",
+    "sparse_csr": r"has layout torch\.sparse_csr; pass a dense \(strided\) tensor",
+    "mkldnn": r"has layout torch\._mkldnn; pass a dense \(strided\) tensor",
+    "quantized": r"is quantized \(QUInt8\); pass a dense tensor of a plain dtype",
+    "nested": r"is a nested tensor; pass a dense \(strided\) tensor",
+    "nested_jagged": r"is a nested tensor; pass a dense \(strided\) tensor",
+}
+
+
+def _calls(bad: torch.Tensor, x: torch.Tensor):
+    """(op, culprit, call) for each place a tensor goes into the library's ops."""
+    ops = torch.ops.kt_regroup
+    p, i, o, n = ops.kt_regroup_arguments(x, [["a"]], [[3]], [["a"]])
+    return [
+        ("permute_multi_embedding", r"pooled_embs\[1\]",
+         lambda: ops.permute_multi_embedding([x, bad], p, torch.tensor([3, 3], dtype=I32), o, n)),
+        ("permute_multi_embedding_to", r"pooled_embs\[0\]",
+         lambda: ops.permute_multi_embedding_to([bad], p, i, o, n, torch.float64)),
+        ("permute_multi_embedding_into", r"outs\[0\]",
+         lambda: ops.permute_multi_embedding_into([x], p, i, o, [bad])),
+        ("permute_multi_embedding_backward", r"grad_outputs\[0\]",
+         lambda: ops.permute_multi_embedding_backward([bad], p, i, o, [3], 4, torch.float32)),
+        ("permute_multi_embedding_vbe", r"pooled_embs\[0\]",
+         lambda: ops.permute_multi_embedding_vbe([bad], [None], p, i, o, n)),
+        ("permute_multi_embedding_vbe", r"indices\[0\]",
+         lambda: ops.permute_multi_embedding_vbe([x], [bad], p, i, o, n)),
+        ("permute_multi_embedding_vbe_backward", r"grad_outputs\[0\]",
+         lambda: ops.permute_multi_embedding_vbe_backward(
+             [bad], [None], p, i, o, [3], [4], torch.float32)),
+        # composite: nested inputs stop at its own kernel, the others at the permute it runs
+        ("(regroup_keyed_tensor|permute_multi_embedding)", r"pooled_embs\[0\]",
+         lambda: ops.regroup_keyed_tensor([bad], [["a"]], [[3]], [["a"]])),
+        ("permute_multi_embedding", "permutes",
+         lambda: ops.permute_multi_embedding([x], p.to_sparse(), i, o, n)),
+    ]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # prototype / deprecated layouts
+@pytest.mark.parametrize("inference", [False, True], ids=["grad", "inference_mode"])
+@pytest.mark.parametrize("kind", list(NOT_DENSE))
+def test_tensors_that_are_not_dense_are_named(kind, inference):
+    """Each gets a TypeError of ours naming the argument, where ATen asserted or the
+    dispatcher said no kernel exists (nested tensors, also under inference_mode, where
+    autograd is skipped)."""
+    x = torch.randn(4, 3)
+    bad = _not_dense(kind, x)
+    for op, culprit, call in _calls(bad, x):
+        if culprit == "permutes" and kind != "sparse_coo":
+            continue
+        with torch.inference_mode(inference):
+            with pytest.raises(TypeError, match=rf"^kt_regroup\.{op}: {culprit} {NOT_DENSE[kind]}"):
+                call()
+
+
+def test_outputs_past_any_memory_are_refused_before_allocation():
+    """As torch.empty would say "Storage size calculation overflowed", but naming ours."""
+    ops = torch.ops.kt_regroup
+    x = torch.randn(4, 3)
+    p = torch.tensor([[0, 0, 0, 0, 3, 0]], dtype=I32)
+    i, o = _meta([3], [3])
+    huge = torch.tensor([2**62], dtype=torch.int64)
+    match = r"out_lengths\[0\] = 4611686018427387904 with a batch of 4 is more elements than"
+    with pytest.raises(ValueError, match=rf"^kt_regroup\.permute_multi_embedding: {match}"):
+        ops.permute_multi_embedding([x], p, i, huge, [2**62])
+    with pytest.raises(ValueError, match=rf"^kt_regroup\.permute_multi_embedding_vbe: {match}"):
+        ops.permute_multi_embedding_vbe([x], [None], p, i, huge, [2**62])
+    match = r"in_lengths\[0\] = 4611686018427387904 with a batch of 2 is more elements than"
+    with pytest.raises(ValueError, match=rf"^kt_regroup\.permute_multi_embedding_backward: {match}"):
+        ops.permute_multi_embedding_backward([None], p, huge, o, [2**62], 2, torch.float32)

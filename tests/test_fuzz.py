@@ -162,6 +162,7 @@ def _grads(rng, c: dict) -> list:
 def _mutate(rng, c: dict) -> None:
     what = rng.choice(("permutes", "permutes", "in_shapes", "out_shapes", "lengths",
                        "embs", "huge", "backward", "into", "plan"))
+    c["mutated"].append(what)
     if what in ("permutes", "in_shapes", "out_shapes"):
         _mutate_tensor(rng, c, what)
     elif what == "lengths":
@@ -240,6 +241,7 @@ def _mutate_indices(rng, c: dict) -> None:
     """Bad indices: out of range, wrong dtype, rank or length; a list of the wrong length."""
     given = [i for i, ix in enumerate(c["indices"]) if ix is not None]
     kind = rng.choice(("range", "range", "dtype", "rank", "length", "list", "strided"))
+    c["mutated"].append("indices")
     if kind == "list":
         c["indices"] = c["indices"][:-1] if c["indices"] else [torch.zeros(c["batch"], dtype=torch.long)]
         return
@@ -264,6 +266,7 @@ def make_case(seed: int):
     rng = random.Random(seed)
     torch.manual_seed(seed)  # the data too: a seed names one case exactly
     c = _valid(rng)
+    c["mutated"] = []
     op = OPS[seed % len(OPS)]
     c["grads"] = _grads(rng, c)
     c["grad_dtype"] = next((g.dtype for g in c["grads"] if g is not None), torch.float32)
@@ -294,7 +297,7 @@ def make_case(seed: int):
         args = (c["embs"][0] if c["embs"] else torch.empty(0), c["keys"], c["lengths"], c["groups"])
     else:
         args = (c["embs"], c["keys"], c["lengths"], c["groups"])
-    return op, args
+    return op, args, c["mutated"]
 
 
 # --- the oracle and the comparison ---------------------------------------------------------
@@ -447,9 +450,36 @@ def _clone(x):
     return x
 
 
+# What an error of the variable-batch op names, by what the case changed: the argument
+# (its index where it is a list), or the rule between two arguments by either name.
+NAMES = {
+    "permutes": ("permutes",),
+    "in_shapes": ("in_shapes",),
+    "out_shapes": ("out_shapes",),
+    "lengths": ("out_lengths", "out_shapes", "output"),
+    "huge": ("out_lengths", "out_shapes", "allocate"),
+    "embs": ("pooled_embs", "in_shapes", "input"),
+    "indices": ("indices",),
+}
+
+
+def _names_the_culprit(op: str, message: str, mutated: list) -> bool:
+    """An error of ours (``kt_regroup.<op>:``, or ``kt_regroup:`` from the Python layer)
+    or the allocator's for a huge output; for the variable-batch op, naming an argument
+    the case changed."""
+    if "can't allocate memory" in message and "huge" in mutated:  # the allocator, at once
+        return True
+    if op != "permute_multi_embedding_vbe":
+        return message.startswith(("kt_regroup.", "kt_regroup:"))
+    if not message.startswith(f"kt_regroup.{op}: "):
+        return False
+    names = [n for what in mutated for n in NAMES.get(what, ())]
+    return any(n in message for n in names) or not names
+
+
 def run_case(seed: int) -> str:
     """``ok`` or ``raised <Type>``; anything else is a defect, described."""
-    op, args = make_case(seed)
+    op, args, mutated = make_case(seed)
     before = _clone(args)
     try:
         result = getattr(torch.ops.kt_regroup, op)(*args)
@@ -461,6 +491,8 @@ def run_case(seed: int) -> str:
         if k != mutable and not _same(now, was):
             return f"DEFECT {op}: argument {k} was modified"
     if raised is not None:
+        if not _names_the_culprit(op, str(raised), mutated):
+            return f"DEFECT {op}: the error does not name what changed ({mutated}): {raised}"
         return f"raised {type(raised).__name__}"
     try:
         expected = contract(op, args)  # the calls' own tensors: their strides, memory, leaves
@@ -548,7 +580,8 @@ def test_into_with_meta_inputs_and_real_outs_raises():
     permutes = torch.tensor([[0, 0, 0, 0, 3, 0]], dtype=torch.int32)
     shapes = torch.tensor([3], dtype=torch.int32)
     outs = [torch.full((2, 3), 7.0)]
-    with pytest.raises(ValueError, match="on meta; all must be on one device"):
+    match = r"permutes is on cpu but pooled_embs\[0\] is on meta; all must be on one device"
+    with pytest.raises(ValueError, match=match):
         torch.ops.kt_regroup.permute_multi_embedding_into([x], permutes, shapes, shapes, outs)
 
 

@@ -45,6 +45,15 @@ using PerTensor = c10::SmallVector<T, 8>;
 // Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None.
 using TensorPtrs = PerTensor<const at::Tensor*>;
 
+// A dense (strided, not quantized, not nested) tensor, or a TypeError naming `name[i]`
+// (`name` alone for i < 0).
+void check_dense(const char* op, const char* name, int64_t i, const at::Tensor& t);
+
+// `batch` rows of each of `lengths` fit in int64 bytes (a 16-byte dtype), or a ValueError
+// naming `name[j]`: checked before any output is allocated.
+void check_output_elements(
+    const char* op, const char* name, c10::IntArrayRef lengths, int64_t batch);
+
 // The checks of a call that read no tensor data (dims, dtypes, devices, batch sizes, the
 // metadata's shapes and dtypes, negative sizes): what a kernel whose plan is on a device
 // runs without a host sync (the CUDA kernels).

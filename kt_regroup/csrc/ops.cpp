@@ -39,6 +39,44 @@ std::string shape_str(c10::IntArrayRef shape) {
   return s.str();
 }
 
+}  // namespace
+
+void check_dense(const char* op, const char* name, int64_t i, const at::Tensor& t) {
+  const std::string what =
+      std::string(name) + (i >= 0 ? "[" + std::to_string(i) + "]" : std::string());
+  const c10::Layout layout = t.layout();
+  TORCH_CHECK_TYPE(
+      !t.is_nested() && layout != at::kJagged, "kt_regroup.", op, ": ", what,
+      " is a nested tensor; pass a dense (strided) tensor");
+  TORCH_CHECK_TYPE(
+      layout == at::kStrided, "kt_regroup.", op, ": ", what, " has layout ",
+      layout == at::kSparse      ? "torch.sparse_coo"
+      : layout == at::kSparseCsr ? "torch.sparse_csr"
+      : layout == at::kSparseCsc ? "torch.sparse_csc"
+      : layout == at::kSparseBsr ? "torch.sparse_bsr"
+      : layout == at::kSparseBsc ? "torch.sparse_bsc"
+      : layout == at::kMkldnn    ? "torch._mkldnn"
+                                 : "other than torch.strided",
+      "; pass a dense (strided) tensor (to_dense() converts it)");
+  TORCH_CHECK_TYPE(
+      !t.is_quantized(), "kt_regroup.", op, ": ", what, " is quantized (", t.scalar_type(),
+      "); pass a dense tensor of a plain dtype (dequantize() converts it)");
+}
+
+void check_output_elements(
+    const char* op, const char* name, c10::IntArrayRef lengths, int64_t batch) {
+  // Past this, the bytes of a 16-byte dtype overflow int64: no memory holds it.
+  constexpr int64_t kMaxElements = std::numeric_limits<int64_t>::max() / 16;
+  for (size_t j = 0; j < lengths.size(); ++j) {
+    TORCH_CHECK_VALUE(
+        batch <= 0 || lengths[j] <= kMaxElements / batch, "kt_regroup.", op, ": ", name, "[", j,
+        "] = ", lengths[j], " with a batch of ", batch,
+        " is more elements than any memory holds (the bytes overflow int64)");
+  }
+}
+
+namespace {
+
 void check_tensor_list(
     const char* op,
     const char* name,
@@ -53,6 +91,7 @@ void check_tensor_list(
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i] == nullptr) continue;
     const at::Tensor& t = *tensors[i];
+    check_dense(op, name, static_cast<int64_t>(i), t);
     TORCH_CHECK_VALUE(
         t.dim() == 2, "kt_regroup.", op, ": ", name, "[", i,
         "] must be 2-D [batch, width], got shape ", shape_str(t.sizes()));
@@ -88,6 +127,7 @@ void check_metadata(
   const std::pair<const char*, const at::Tensor*> named[] = {
       {"permutes", &permutes}, {"in_shapes", &in_shapes}, {"out_shapes", &out_shapes}};
   for (const auto& [name, t] : named) {
+    check_dense(op, name, -1, *t);
     TORCH_CHECK_TYPE(
         t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "kt_regroup.", op,
         ": ", name, " must be int32 or int64, got ", t->scalar_type());
@@ -241,6 +281,11 @@ void check_without_data(
         lengths[j] >= 0, "kt_regroup.", op, ": ", lengths_name, "[", j, "] is negative (",
         lengths[j], ")");
   }
+  if (backward) {
+    check_output_elements(op, lengths_name, lengths, *batch_size);
+  } else if (same_batch) {
+    check_output_elements(op, lengths_name, lengths, ptrs[0]->size(0));
+  }
   const size_t n_in = backward ? lengths.size() : ptrs.size();
   const size_t n_out = backward ? ptrs.size() : lengths.size();
   check_metadata(op, permutes, in_shapes, out_shapes, n_in, n_out, device);
@@ -374,6 +419,7 @@ std::shared_ptr<const CheckedPlan> check_forward_plan(
   check_metadata(
       op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size(),
       pooled_embs[0].device());
+  check_output_elements(op, "out_lengths", out_lengths, pooled_embs[0].size(0));
   const at::Tensor* const meta[3] = {&permutes, &in_shapes, &out_shapes};
   if (!PlanCache::cacheable(meta)) {
     return check_forward_values(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
@@ -434,6 +480,7 @@ std::vector<Segment> check_backward(
   }
   TORCH_CHECK_VALUE(
       batch_size >= 0, "kt_regroup.", op, ": batch_size is negative (", batch_size, ")");
+  check_output_elements(op, "in_lengths", in_lengths, batch_size);
   check_metadata(op, permutes, in_shapes, out_shapes, in_lengths.size(), grads.size(), device);
   const std::vector<int64_t> out_widths = read_values(out_shapes);
   for (size_t j = 0; j < grads.size(); ++j) {
@@ -458,6 +505,7 @@ PerTensor<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList ou
   PerTensor<int64_t> widths;
   for (size_t j = 0; j < outs.size(); ++j) {
     const at::Tensor& t = outs[j];
+    check_dense(op, "outs", static_cast<int64_t>(j), t);
     TORCH_CHECK_VALUE(
         t.dim() == 2 && t.size(0) == first.size(0), "kt_regroup.", op, ": outs[", j,
         "] must have shape (", first.size(0), ", width), got shape ", shape_str(t.sizes()));
@@ -787,4 +835,40 @@ TORCH_LIBRARY_IMPL(kt_regroup, CompositeExplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(kt_regroup, CompositeImplicitAutograd, m) {
   m.impl("regroup_keyed_tensor", TORCH_FN(kt_regroup::regroup_keyed_tensor));
+}
+
+namespace {
+
+// Any op of the library called with a nested tensor (strided or jagged): a TypeError
+// naming the argument, where the dispatcher would say no kernel exists.
+void reject_nested(const c10::OperatorHandle& op, c10::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  const std::string name = op.schema().name().substr(op.schema().name().find("::") + 2);
+  for (size_t a = 0; a < args.size(); ++a) {
+    const c10::IValue& v = (*stack)[first + a];
+    if (v.isTensor()) {
+      kt_regroup::check_dense(name.c_str(), args[a].name().c_str(), -1, v.toTensor());
+    } else if (v.isList()) {
+      const c10::List<c10::IValue> list = v.toList();
+      for (size_t i = 0; i < list.size(); ++i) {
+        const c10::IValue e = list.get(i);
+        if (e.isTensor()) {
+          kt_regroup::check_dense(name.c_str(), args[a].name().c_str(), static_cast<int64_t>(i), e.toTensor());
+        }
+      }
+    }
+  }
+  TORCH_CHECK_TYPE(false, "kt_regroup.", name, ": nested tensors are not supported");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kt_regroup, CompositeImplicitAutogradNestedTensor, m) {
+  for (const char* op :
+       {"permute_multi_embedding", "permute_multi_embedding_backward", "permute_multi_embedding_to",
+        "permute_multi_embedding_into", "kt_regroup_arguments", "regroup_keyed_tensor",
+        "permute_multi_embedding_vbe", "permute_multi_embedding_vbe_backward"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&reject_nested>());
+  }
 }

@@ -61,6 +61,7 @@ int64_t check_indices(
     int64_t n = rows[i];
     if (has) {
       const at::Tensor& idx = *indices[i];
+      check_dense(op, "indices", static_cast<int64_t>(i), idx);
       TORCH_CHECK_VALUE(
           idx.dim() == 1, "kt_regroup.", op, ": indices[", i, "] must be 1-D [batch], got ",
           idx.dim(), " dims");
@@ -152,6 +153,7 @@ Forward check_vbe_forward(
   for (const at::Tensor& t : pooled_embs) rows.push_back(t.size(0));
   f.indices = held(indices);
   f.batch = check_indices(kForward, f.indices, rows, pooled_embs[0].device(), std::nullopt);
+  check_output_elements(kForward, "out_lengths", out_lengths, f.batch);
   if (ranges) check_ranges(kForward, f.indices, rows);
   return f;
 }
@@ -194,6 +196,7 @@ Backward check_vbe_backward(
     }
   }
   for (size_t j = 0; j < k.grads.size(); ++j) {
+    if (k.grads[j]) check_dense(kBackward, "grad_outputs", static_cast<int64_t>(j), *k.grads[j]);
     TORCH_CHECK_TYPE(
         !k.grads[j] || k.grads[j]->scalar_type() == dtype, "kt_regroup.", kBackward,
         ": grad_outputs[", j, "] is ", k.grads[j] ? k.grads[j]->scalar_type() : dtype,
