@@ -376,6 +376,15 @@ std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
         call_backward(
             tangents, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype));
   }
+  const bool record = at::GradMode::is_enabled() &&
+      std::any_of(grad_outputs.begin(), grad_outputs.end(), [](const std::optional<at::Tensor>& g) {
+        return g.has_value() && g->defined() && g->requires_grad();
+      });
+  if (!record) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_backward(
+        grad_outputs, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
+  }
   std::vector<at::Tensor> defined;
   std::vector<int64_t> positions;
   for (size_t j = 0; j < grad_outputs.size(); ++j) {
@@ -384,11 +393,6 @@ std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
       defined.push_back(*g);
       positions.push_back(static_cast<int64_t>(j));
     }
-  }
-  if (!records_grad(defined)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return call_backward(
-        grad_outputs, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
   }
   return PermuteBackwardFunction::apply(
       at::TensorList(defined), positions, static_cast<int64_t>(grad_outputs.size()), permutes,

@@ -611,22 +611,27 @@ void in_steps(
   }
 }
 
-// `warm`: the outputs' pages are faulted in (see use_streaming). The inputs have the
-// outputs' dtype (the fused cast sends other inputs to permute_convert_into).
-// `after(b0, b1)`, when given, runs on rows [b0, b1) right after the copies of those rows,
-// a few hundred KiB of rows at a time, while they are in cache (the backward's sums).
-void run_forward(
-    at::TensorList pooled_embs,
+// Row 0 and the row stride (bytes) of every input and output of a copy program.
+struct ProgramTensors {
+  PerTensor<const char*> in_base;
+  PerTensor<int64_t> in_stride;
+  PerTensor<char*> out_base;
+  PerTensor<int64_t> out_stride;
+};
+
+// The program's copies on rows [0, batch). `warm`: the outputs' pages are faulted in (see
+// use_streaming). `after(b0, b1)`, when given, runs on rows [b0, b1) right after the copies
+// of those rows, a few hundred KiB of rows at a time, while they are in cache (the
+// backward's sums).
+void run_program(
+    int64_t batch,
+    const ProgramTensors& t,
     const std::vector<Segment>& segments,
     const ForwardProgram& program,
-    at::TensorList outs,
     bool warm,
     const std::function<void(int64_t, int64_t)>& after = {}) {
-  const int64_t batch = pooled_embs[0].size(0);
   if (batch == 0 || segments.empty()) return;
-  const int64_t es = outs[segments[0].out_t].element_size();
-  PerTensor<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
-  for (at::Tensor& t : inputs) t = rows_readable(t);
+  const int64_t es = program.es;
   const int64_t bytes_per_row = program.bytes_per_row;
 
   if (use_streaming(
@@ -643,12 +648,9 @@ void run_forward(
     copies.reserve(segments.size());
     for (const Segment* sp : copy_order(segments, batch * bytes_per_row)) {
       const Segment& s = *sp;
-      const at::Tensor& in = inputs[s.in_t];
-      const at::Tensor& out = outs[s.out_t];
       copies.push_back(Copy{
-          static_cast<const char*>(in.const_data_ptr()) + s.in_off * es, in.stride(0) * es,
-          static_cast<char*>(out.data_ptr()) + s.out_off * es, out.stride(0) * es,
-          s.length * es});
+          t.in_base[s.in_t] + s.in_off * es, t.in_stride[s.in_t],
+          t.out_base[s.out_t] + s.out_off * es, t.out_stride[s.out_t], s.length * es});
     }
     at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
       in_steps(b0, b1, bytes_per_row, after, [&](int64_t s0, int64_t s1) {
@@ -663,33 +665,45 @@ void run_forward(
     return;
   }
 
-  // Row 0 and the row stride of every input and output, in bytes.
-  const size_t n_in = inputs.size(), n_out = outs.size();
-  PerTensor<const char*> in_base(n_in);
-  PerTensor<int64_t> in_stride(n_in);
-  for (size_t i = 0; i < n_in; ++i) {
-    in_base[i] = static_cast<const char*>(inputs[i].const_data_ptr());
-    in_stride[i] = inputs[i].stride(0) * es;
-  }
-  PerTensor<char*> out_base(n_out);
-  PerTensor<int64_t> out_stride(n_out);
-  for (size_t j = 0; j < n_out; ++j) {
-    out_base[j] = static_cast<char*>(outs[j].data_ptr());
-    out_stride[j] = outs[j].stride(0) * es;
-  }
   record_copy_engine(program.engine);
   const ProgramRows rows{program.runs.data(), program.runs.size(), program.ops.data(),
-                         in_base.data(),       in_stride.data(),      out_base.data(),
-                         out_stride.data(),    program.in_passes};
+                         t.in_base.data(),     t.in_stride.data(),    t.out_base.data(),
+                         t.out_stride.data(),  program.in_passes};
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
     in_steps(b0, b1, bytes_per_row, after, [&](int64_t s0, int64_t s1) {
       if (program.code && s1 > s0) {
         return program.code->run(
-            in_base.data(), in_stride.data(), out_base.data(), out_stride.data(), s0, s1);
+            t.in_base.data(), t.in_stride.data(), t.out_base.data(), t.out_stride.data(), s0, s1);
       }
       run_program_rows(rows, s0, s1);
     });
   });
+}
+
+// run_program on tensors. The inputs have the outputs' dtype (the fused cast sends other
+// inputs to permute_convert_into).
+void run_forward(
+    at::TensorList pooled_embs,
+    const std::vector<Segment>& segments,
+    const ForwardProgram& program,
+    at::TensorList outs,
+    bool warm,
+    const std::function<void(int64_t, int64_t)>& after = {}) {
+  const int64_t batch = pooled_embs[0].size(0);
+  if (batch == 0 || segments.empty()) return;
+  const int64_t es = program.es;
+  PerTensor<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
+  ProgramTensors t;
+  for (at::Tensor& in : inputs) {
+    in = rows_readable(in);
+    t.in_base.push_back(static_cast<const char*>(in.const_data_ptr()));
+    t.in_stride.push_back(in.stride(0) * es);
+  }
+  for (const at::Tensor& out : outs) {
+    t.out_base.push_back(static_cast<char*>(out.data_ptr()));
+    t.out_stride.push_back(out.stride(0) * es);
+  }
+  run_program(batch, t, segments, program, warm, after);
 }
 
 void permute_forward_into(
@@ -999,14 +1013,56 @@ void run_copies(
 // The backward as the forward's copy program run the other way (upstream gradients in,
 // input gradients out), when it is a copy: every input-gradient column takes at most one
 // upstream column (no duplicated keys), of the same dtype, read with unit column stride.
-// Columns no key takes are zeros. Returns false, having written nothing, otherwise.
-// Side by side with the block loop (2 threads, the backward op, new / old): narrow keys
-// 0.29-0.46, the serving layout 0.57, the seed layout at B=1024 0.51. The general path
-// below does this too, with a block list built per call: against it, this one measured
-// 0.55-0.70x for narrow keys, 0.87x serving, 0.99-1.02x the seed layout.
+// Columns no key takes are zeros. What it needs of the plan (the copies, whether they
+// tile the input gradients, the compiled program) is built once per element size and set
+// of given gradients, and kept with the checked plan. Returns false, having written
+// nothing, where the backward is not a copy.
+struct BackwardCopies {
+  int64_t es = 0;
+  std::vector<bool> given;  // which upstream gradients were not None
+  bool disjoint = false;  // false: a duplicated key, so sums (the block loop)
+  bool tiled = false;
+  std::vector<Segment> copies;  // in_t: an upstream gradient, out_t: an input gradient
+  std::shared_ptr<const ForwardProgram> program;
+};
+struct BackwardPrograms {
+  static constexpr size_t kEntries = 4;
+  std::vector<BackwardCopies> entries;
+};
+
+const BackwardCopies& backward_copies(
+    const CheckedPlan& plan, const TensorPtrs& grads, c10::IntArrayRef in_lengths, int64_t es) {
+  if (!plan.backward) plan.backward = std::make_shared<BackwardPrograms>();
+  auto& entries = static_cast<BackwardPrograms*>(plan.backward.get())->entries;
+  for (const BackwardCopies& e : entries) {
+    if (e.es != es || e.given.size() != grads.size()) continue;
+    bool same = true;
+    for (size_t j = 0; j < grads.size() && same; ++j) same = e.given[j] == (grads[j] != nullptr);
+    if (same) return e;
+  }
+  BackwardCopies e;
+  e.es = es;
+  for (const at::Tensor* g : grads) e.given.push_back(g != nullptr);
+  std::vector<int64_t> covered(in_lengths.size(), 0);
+  for (const Segment& s : plan.segments) {
+    if (grads[s.out_t] == nullptr) continue;
+    e.copies.push_back(Segment{s.out_t, s.in_t, s.out_off, s.in_off, s.length});
+    covered[s.in_t] += s.length;
+  }
+  e.disjoint = writes_disjoint(e.copies);
+  // Disjoint: a gradient whose columns add up to its width is written whole.
+  e.tiled = std::equal(covered.begin(), covered.end(), in_lengths.begin());
+  if (e.disjoint && !e.copies.empty()) {
+    e.program = std::make_shared<const ForwardProgram>(compile_kept(e.copies, es));
+  }
+  if (entries.size() == BackwardPrograms::kEntries) entries.erase(entries.begin());
+  entries.push_back(std::move(e));
+  return entries.back();
+}
+
 bool backward_by_program(
+    const CheckedPlan& plan,
     const TensorPtrs& grads,
-    const std::vector<Segment>& segments,
     c10::IntArrayRef in_lengths,
     int64_t batch_size,
     const at::TensorOptions& options,
@@ -1014,20 +1070,27 @@ bool backward_by_program(
   for (const at::Tensor* g : grads) {
     if (g && g->size(1) > 1 && g->stride(1) != 1) return false;
   }
-  std::vector<Segment> copies;
-  copies.reserve(segments.size());
-  std::vector<int64_t> covered(in_lengths.size(), 0);
-  for (const Segment& s : segments) {
-    if (grads[s.out_t] == nullptr) continue;
-    copies.push_back(Segment{s.out_t, s.in_t, s.out_off, s.in_off, s.length});
-    covered[s.in_t] += s.length;
-  }
-  if (!writes_disjoint(copies)) return false;  // a duplicated key: sums
-  // Disjoint: a gradient whose columns add up to its width is written whole.
-  const bool tiled = std::equal(covered.begin(), covered.end(), in_lengths.begin());
+  const int64_t es = c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  const BackwardCopies& e = backward_copies(plan, grads, in_lengths, es);
+  if (!e.disjoint) return false;
   bool warm = false;
-  out = new_outputs(batch_size, in_lengths, options, tiled, warm);
-  run_copies(grads, copies, batch_size, options, out, warm);
+  out = new_outputs(batch_size, in_lengths, options, e.tiled, warm);
+  if (batch_size == 0 || e.copies.empty()) return true;
+  ProgramTensors t;
+  PerTensor<at::Tensor> resolved;  // lazy conj/neg gradients, resolved (kept alive here)
+  for (const at::Tensor* g : grads) {
+    if (g && (g->is_conj() || g->is_neg())) {
+      resolved.push_back(rows_readable(*g));
+      g = &resolved.back();
+    }
+    t.in_base.push_back(g ? static_cast<const char*>(g->const_data_ptr()) : nullptr);
+    t.in_stride.push_back(g ? g->stride(0) * es : 0);
+  }
+  for (const at::Tensor& o : out) {
+    t.out_base.push_back(static_cast<char*>(o.data_ptr()));
+    t.out_stride.push_back(o.stride(0) * es);
+  }
+  run_program(batch_size, t, e.copies, *e.program, warm);
   return true;
 }
 
@@ -1041,9 +1104,10 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
     c10::ScalarType dtype) {
   std::vector<std::optional<at::Tensor>> held;
   const TensorPtrs grads = grad_pointers(grad_outputs, held);
-  std::vector<Segment> segments = check_backward(
+  const std::shared_ptr<const CheckedPlan> plan = check_backward_plan(
       "permute_multi_embedding_backward", grads, permutes, in_shapes, out_shapes, in_lengths,
       batch_size);
+  const std::vector<Segment>& segments = plan->segments;
   const int64_t n_in = static_cast<int64_t>(in_lengths.size());
   const std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
 
@@ -1071,7 +1135,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   if (grad_dtype == dtype) {
     std::vector<at::Tensor> out;
     if (backward_by_program(
-            grads, segments, in_lengths, batch_size,
+            *plan, grads, in_lengths, batch_size,
             at::TensorOptions().dtype(dtype).device(device), out)) {
       return out;
     }

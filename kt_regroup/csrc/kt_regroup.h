@@ -84,15 +84,18 @@ std::vector<Segment> check_forward(
     c10::IntArrayRef out_lengths,
     bool same_dtype = true);
 
-// A forward plan that passed check_forward: its segments, whether they write every
-// output column exactly once (segments_tile_outputs), and a slot per element size where
-// a kernel keeps what it compiles from the segments (the CPU kernel's copy program).
+// A plan that passed check_forward or check_backward: its segments, whether they write
+// every output column exactly once (segments_tile_outputs), the outputs' widths, and
+// slots where a kernel keeps what it compiles from the segments (the CPU kernel's copy
+// programs). Written only by the thread that got the plan: the plan cache is per thread.
 struct CheckedPlan {
   std::vector<Segment> segments;
   bool tiled = false;
-  // By log2 of the element size (1 to 16 bytes). Written only by the thread that got the
-  // plan: check_forward_plan's cache is per thread.
+  std::vector<int64_t> out_widths;
+  // The forward's, by log2 of the element size (1 to 16 bytes).
   mutable std::shared_ptr<const void> compiled[5];
+  // The backward's (the CPU kernel's, by dtypes and gradient strides).
+  mutable std::shared_ptr<void> backward;
 };
 
 // check_forward, remembered per thread: a call whose metadata tensors are contiguous CPU
@@ -109,7 +112,18 @@ std::shared_ptr<const CheckedPlan> check_forward_plan(
     c10::IntArrayRef out_lengths,
     bool same_dtype = true);
 
-// The same for a backward call; `grads` may hold nullptr (None: zeros).
+// The same for a backward call; `grads` may hold nullptr (None: zeros). Through the same
+// per-thread cache as check_forward_plan (a plan checked by either serves both).
+std::shared_ptr<const CheckedPlan> check_backward_plan(
+    const char* op,
+    const TensorPtrs& grads,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size);
+
+// check_backward_plan's segments.
 std::vector<Segment> check_backward(
     const char* op,
     const TensorPtrs& grads,

@@ -42,9 +42,10 @@ std::string shape_str(c10::IntArrayRef shape) {
 }  // namespace
 
 void check_dense(const char* op, const char* name, int64_t i, const at::Tensor& t) {
+  const c10::Layout layout = t.layout();
+  if (C10_LIKELY(layout == at::kStrided && !t.is_nested() && !t.is_quantized())) return;
   const std::string what =
       std::string(name) + (i >= 0 ? "[" + std::to_string(i) + "]" : std::string());
-  const c10::Layout layout = t.layout();
   TORCH_CHECK_TYPE(
       !t.is_nested() && layout != at::kJagged, "kt_regroup.", op, ": ", what,
       " is a nested tensor; pass a dense (strided) tensor");
@@ -293,6 +294,15 @@ void check_without_data(
 
 namespace {
 
+// grad_outputs[j] (when given) is [batch_size, width].
+void check_grad_shape(
+    const char* op, const TensorPtrs& grads, size_t j, int64_t batch_size, int64_t width) {
+  TORCH_CHECK_VALUE(
+      grads[j] == nullptr || (grads[j]->size(0) == batch_size && grads[j]->size(1) == width),
+      "kt_regroup.", op, ": grad_outputs[", j, "] has shape ",
+      grads[j] ? shape_str(grads[j]->sizes()) : "", ", expected (", batch_size, ", ", width, ")");
+}
+
 // The value checks of check_forward (after the data-free ones), as a plan.
 std::shared_ptr<CheckedPlan> check_forward_values(
     const char* op,
@@ -314,11 +324,39 @@ std::shared_ptr<CheckedPlan> check_forward_values(
   auto plan = std::make_shared<CheckedPlan>();
   plan->segments = check_rows(op, permutes, in_widths, out_widths);
   plan->tiled = segments_tile_outputs(plan->segments, out_lengths);
+  plan->out_widths = out_widths;
   return plan;
 }
 
-// The per-thread cache of check_forward_plan: the last few checked plans, each with the
-// exact bytes of its metadata tensors and the widths it was checked against.
+// The checks of a backward call that read values (after the data-free ones), as a plan.
+std::shared_ptr<CheckedPlan> check_backward_values(
+    const char* op,
+    const TensorPtrs& grads,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size) {
+  const std::vector<int64_t> out_widths = read_values(out_shapes);
+  for (size_t j = 0; j < grads.size(); ++j) {
+    TORCH_CHECK_VALUE(
+        out_widths[j] >= 0, "kt_regroup.", op, ": out_shapes[", j, "] is negative (",
+        out_widths[j], ")");
+    check_grad_shape(op, grads, j, batch_size, out_widths[j]);
+  }
+  const std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
+  check_declared(op, "in_shapes", read_values(in_shapes), "in_lengths", in_widths);
+  auto plan = std::make_shared<CheckedPlan>();
+  plan->segments = check_rows(op, permutes, in_widths, out_widths);
+  plan->tiled = segments_tile_outputs(plan->segments, out_widths);
+  plan->out_widths = out_widths;
+  return plan;
+}
+
+// The per-thread cache of check_forward_plan and check_backward_plan: the last few checked
+// plans, each with the exact bytes of its metadata tensors and the input widths it was
+// checked against (its output widths are the values of out_shapes, which the checks
+// compared with out_lengths or the upstream gradients). One plan serves both directions.
 class PlanCache {
  public:
   // Metadata past this many bytes is not cached (its checks dwarf nothing).
@@ -338,18 +376,20 @@ class PlanCache {
     return bytes <= kMaxBytes;
   }
 
+  // The plan of these metadata values and input widths; `out_widths` (the forward's
+  // out_lengths), when given, must be the plan's too.
   std::shared_ptr<const CheckedPlan> find(
-      const at::Tensor* const (&meta)[3], at::TensorList pooled_embs,
-      c10::IntArrayRef out_lengths) const {
+      const at::Tensor* const (&meta)[3], c10::IntArrayRef in_widths,
+      std::optional<c10::IntArrayRef> out_widths) const {
     for (const Entry& e : entries_) {
-      if (e.plan && e.matches(meta, pooled_embs, out_lengths)) return e.plan;
+      if (e.plan && e.matches(meta, in_widths, out_widths)) return e.plan;
     }
     return nullptr;
   }
 
   void add(
-      const at::Tensor* const (&meta)[3], at::TensorList pooled_embs,
-      c10::IntArrayRef out_lengths, std::shared_ptr<const CheckedPlan> plan) {
+      const at::Tensor* const (&meta)[3], c10::IntArrayRef in_widths,
+      std::shared_ptr<const CheckedPlan> plan) {
     Entry& e = entries_[next_];
     next_ = (next_ + 1) % kEntries;
     for (size_t k = 0; k < 3; ++k) {
@@ -359,9 +399,7 @@ class PlanCache {
       const char* p = static_cast<const char*>(t.const_data_ptr());
       e.bytes[k].assign(p, p + t.nbytes());
     }
-    e.in_widths.clear();
-    for (const at::Tensor& t : pooled_embs) e.in_widths.push_back(t.size(1));
-    e.out_widths.assign(out_lengths.begin(), out_lengths.end());
+    e.in_widths.assign(in_widths.begin(), in_widths.end());
     e.plan = std::move(plan);
   }
 
@@ -375,18 +413,17 @@ class PlanCache {
     c10::ScalarType dtypes[3];
     int64_t numel[3];
     std::vector<char> bytes[3];
-    std::vector<int64_t> in_widths, out_widths;
+    std::vector<int64_t> in_widths;
     std::shared_ptr<const CheckedPlan> plan;
 
     bool matches(
-        const at::Tensor* const (&meta)[3], at::TensorList pooled_embs,
-        c10::IntArrayRef out_lengths) const {
-      if (in_widths.size() != pooled_embs.size() ||
-          !std::equal(out_widths.begin(), out_widths.end(), out_lengths.begin(), out_lengths.end())) {
+        const at::Tensor* const (&meta)[3], c10::IntArrayRef widths,
+        std::optional<c10::IntArrayRef> out_widths) const {
+      if (!std::equal(in_widths.begin(), in_widths.end(), widths.begin(), widths.end()) ||
+          (out_widths && !std::equal(
+                             plan->out_widths.begin(), plan->out_widths.end(),
+                             out_widths->begin(), out_widths->end()))) {
         return false;
-      }
-      for (size_t i = 0; i < in_widths.size(); ++i) {
-        if (pooled_embs[i].size(1) != in_widths[i]) return false;
       }
       for (size_t k = 0; k < 3; ++k) {
         const at::Tensor& t = *meta[k];
@@ -424,11 +461,13 @@ std::shared_ptr<const CheckedPlan> check_forward_plan(
   if (!PlanCache::cacheable(meta)) {
     return check_forward_values(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
   }
+  PerTensor<int64_t> in_widths;
+  for (const at::Tensor& t : pooled_embs) in_widths.push_back(t.size(1));
   PlanCache& cache = PlanCache::get();
-  if (auto plan = cache.find(meta, pooled_embs, out_lengths)) return plan;
+  if (auto plan = cache.find(meta, in_widths, out_lengths)) return plan;
   std::shared_ptr<const CheckedPlan> plan =
       check_forward_values(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
-  cache.add(meta, pooled_embs, out_lengths, plan);
+  cache.add(meta, in_widths, plan);
   return plan;
 }
 
@@ -463,7 +502,7 @@ std::vector<Segment> check_forward_rows(
       ->segments;
 }
 
-std::vector<Segment> check_backward(
+std::shared_ptr<const CheckedPlan> check_backward_plan(
     const char* op,
     const TensorPtrs& grads,
     const at::Tensor& permutes,
@@ -482,20 +521,33 @@ std::vector<Segment> check_backward(
       batch_size >= 0, "kt_regroup.", op, ": batch_size is negative (", batch_size, ")");
   check_output_elements(op, "in_lengths", in_lengths, batch_size);
   check_metadata(op, permutes, in_shapes, out_shapes, in_lengths.size(), grads.size(), device);
-  const std::vector<int64_t> out_widths = read_values(out_shapes);
-  for (size_t j = 0; j < grads.size(); ++j) {
-    TORCH_CHECK_VALUE(
-        out_widths[j] >= 0, "kt_regroup.", op, ": out_shapes[", j, "] is negative (",
-        out_widths[j], ")");
-    if (grads[j] == nullptr) continue;
-    TORCH_CHECK_VALUE(
-        grads[j]->size(0) == batch_size && grads[j]->size(1) == out_widths[j], "kt_regroup.",
-        op, ": grad_outputs[", j, "] has shape ", shape_str(grads[j]->sizes()),
-        ", expected (", batch_size, ", ", out_widths[j], ")");
+  const at::Tensor* const meta[3] = {&permutes, &in_shapes, &out_shapes};
+  if (!PlanCache::cacheable(meta)) {
+    return check_backward_values(op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size);
   }
-  const std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
-  check_declared(op, "in_shapes", read_values(in_shapes), "in_lengths", in_widths);
-  return check_rows(op, permutes, in_widths, out_widths);
+  PlanCache& cache = PlanCache::get();
+  if (auto plan = cache.find(meta, in_lengths, std::nullopt)) {
+    for (size_t j = 0; j < grads.size(); ++j) {
+      check_grad_shape(op, grads, j, batch_size, plan->out_widths[j]);
+    }
+    return plan;
+  }
+  std::shared_ptr<const CheckedPlan> plan =
+      check_backward_values(op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size);
+  cache.add(meta, in_lengths, plan);
+  return plan;
+}
+
+std::vector<Segment> check_backward(
+    const char* op,
+    const TensorPtrs& grads,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size) {
+  return check_backward_plan(op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size)
+      ->segments;
 }
 
 PerTensor<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList outs) {
