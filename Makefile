@@ -1,11 +1,13 @@
 # Two entry points; each one sets up ./.venv first (see scripts/setup_env.sh).
 #   make bench   - the regroup benchmark (training step, serving, op alone), tables on stdout
 #   make test    - the test suite
-#   make lint    - ruff check (configured in pyproject.toml)
+#   make lint    - ruff check (configured in pyproject.toml) and clang-format --dry-run
+#                  of kt_regroup/csrc and tests/*.cpp (.clang-format)
+#   make format  - clang-format the C++ and CUDA sources in place
 #   make asan    - the op library built with AddressSanitizer (build/asan), fuzz cases run on it
 #   make test-torch211 - the suite against torch 2.11 in .venv-torch211 (not in CI: a ~3 GB
 #                  venv, 15-25 min; scripts/check_torch211.sh)
-.PHONY: bench test setup asan lint test-torch211
+.PHONY: bench test setup asan lint format test-torch211
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ASAN_CASES ?= 3000
@@ -19,8 +21,14 @@ bench: setup
 test: setup
 	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
 
+CPP_SOURCES = $(wildcard kt_regroup/csrc/*.cpp kt_regroup/csrc/*.h)
+
 lint: setup
 	.venv/bin/ruff check kt_regroup tests benchmarks examples
+	.venv/bin/clang-format --dry-run -Werror $(CPP_SOURCES)
+
+format: setup
+	.venv/bin/clang-format -i $(CPP_SOURCES)
 
 asan: setup
 	./scripts/asan.sh $(ASAN_CASES)

@@ -308,7 +308,9 @@ def _vbe_forwards(ebcs, keys, lengths, groups, batch, unique) -> Dict[str, Calla
     import kt_regroup
 
     names = [f"group_{i}" for i in range(len(groups))]
-    module = kt_regroup.KTRegroupAsDict(groups, names)
+    # one module per row: a module fed pooled rows and expanded values in turn would
+    # rebuild its plan every call
+    fused, today = (kt_regroup.KTRegroupAsDict(groups, names) for _ in range(2))
     reference = TorchrecKTRegroupAsDict(groups, names)  # its cat path, as in _regroups
     reference._init_regroup([KeyedTensor(keys=k, length_per_key=w, values=torch.zeros(1, sum(w)))
                              for k, w in zip(keys, lengths)])
@@ -339,8 +341,8 @@ def _vbe_forwards(ebcs, keys, lengths, groups, batch, unique) -> Dict[str, Calla
 
     unpatched = lambda kjts: [ebc(kjt) for ebc, kjt in zip(ebcs, kjts)]  # noqa: E731
     return {VBE_REFERENCE: lambda kjts: list(reference(unpatched(kjts)).values()),
-            VBE_FUSED: lambda kjts: list(module(patched(kjts)).values()),
-            VBE_TODAY: lambda kjts: list(module(unpatched(kjts)).values()),
+            VBE_FUSED: lambda kjts: list(fused(patched(kjts)).values()),
+            VBE_TODAY: lambda kjts: list(today(unpatched(kjts)).values()),
             VBE_INDEX: index_select, NONE: none}
 
 

@@ -127,6 +127,11 @@ def _one_device(op: str, named) -> None:
         )
 
 
+def _gradients_device(grad_outputs, permutes) -> torch.device:
+    """The device of a backward's input gradients: the first given gradient's, else the plan's."""
+    return next((g.device for g in grad_outputs if g is not None), permutes.device)
+
+
 def _check_sizes(op: str, name: str, tensors, sizes, sizes_name="out_lengths", **metadata) -> torch.Tensor:
     _one_device(op, [(f"{name}[{i}]", t) for i, t in enumerate(tensors)] + list(metadata.items()))
     first = next((t for t in tensors if t is not None), None)
@@ -173,7 +178,7 @@ def _(grad_outputs, permutes, in_shapes, out_shapes, in_lengths, batch_size, dty
     else:
         _check_sizes(op, "grad_outputs", grad_outputs, in_lengths, "in_lengths", permutes=permutes,
                      in_shapes=in_shapes, out_shapes=out_shapes)
-    device = next((g.device for g in grad_outputs if g is not None), permutes.device)
+    device = _gradients_device(grad_outputs, permutes)
     return [torch.empty(batch_size, n, dtype=dtype, device=device) for n in in_lengths]
 
 
@@ -341,7 +346,7 @@ def _(grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_row
         + [(f"indices[{i}]", t) for i, t in enumerate(indices)]
         + [("permutes", permutes), ("in_shapes", in_shapes), ("out_shapes", out_shapes)],
     )
-    device = next((g.device for g in grad_outputs if g is not None), permutes.device)
+    device = _gradients_device(grad_outputs, permutes)
     return torch.empty(sum(r * n for r, n in zip(in_rows, in_lengths)), dtype=dtype, device=device)
 
 

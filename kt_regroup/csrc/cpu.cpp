@@ -42,9 +42,7 @@ constexpr int64_t kReorderBytes = 1024 * 1024;
 
 // A tensor whose rows can be read with memcpy: unit column stride, no lazy conj/neg.
 at::Tensor rows_readable(const at::Tensor& t) {
-  at::Tensor r = t;
-  if (r.is_conj()) r = r.resolve_conj();
-  if (r.is_neg()) r = r.resolve_neg();
+  at::Tensor r = resolve_lazy(t);
   if (r.size(1) > 1 && r.stride(1) != 1) r = r.contiguous();
   return r;
 }
@@ -64,8 +62,8 @@ inline void copy_segment(char* dst, const char* src, int64_t n) {
 // copy_segment with non-temporal (streaming) stores: the destination's cache lines are
 // not read first (no read-for-ownership) and do not evict the rows being read. Only whole
 // 64-byte lines stream; a segment's partial first and last lines take normal stores, so
-// no line gets both kinds (a line written both ways measured 2.3x the time of normal
-// stores: 130-column float32 keys, 69 MB). A thread ends its streaming with stream_fence().
+// no line gets both kinds (slower than either). A thread ends its streaming with
+// stream_fence().
 inline void stream_segment(char* dst, const char* src, int64_t n) {
   const int64_t head = std::min<int64_t>(n, (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63);
   copy_segment(dst, src, head);
@@ -114,8 +112,7 @@ inline void stream_fence() {}
 #endif
 
 // The size of the last-level cache one core reaches (Linux sysfs; 0 where unknown). Not
-// sysconf(_SC_LEVEL3_CACHE_SIZE): on AMD EPYC it is the sum over every core complex, 10x
-// the 32 MiB a core can use.
+// sysconf(_SC_LEVEL3_CACHE_SIZE): on AMD EPYC that is the sum over every core complex.
 int64_t last_level_cache_bytes() {
   int top = 0;
   int64_t bytes = 0;
@@ -136,10 +133,7 @@ int64_t last_level_cache_bytes() {
 // Copies of at least kStreamCopyBytes on average that write at least this many bytes
 // stream their stores (stream_segment): a quarter of the last-level cache (the rows read
 // and written no longer fit in it), between 4 and 32 MiB; 32 MiB where the cache size is
-// unknown. On a 2-core AMD EPYC VM (32 MiB L3: from 8 MiB; 1 thread, `_into`), streamed /
-// normal stores, side by side: 0.48 at 9.8 MB (256-byte copies), 0.32 at 16 MB, 0.43 at
-// 27 MB, 0.40 at 32 MB (the seed layout, 512-byte copies), 0.43-0.56 at 8.6-17 MB
-// (520-byte copies); 1.0-1.1 below 8 MB (the rows stay cached).
+// unknown. Below it the rows stay cached and normal stores are as fast (docs/cpu_kernel.md).
 int64_t stream_bytes() {
   static const int64_t bytes = [] {
     const int64_t llc = last_level_cache_bytes();
@@ -151,15 +145,13 @@ int64_t stream_bytes() {
 
 // Shorter copies are mostly partial lines, which take normal stores anyway: they take
 // the streaming path (its plain copy loop, each input read in order) from 32 MiB only,
-// where it measured 0.8x the time of the copy program for narrow keys (52 MB), and below
-// which it measured 1.2-3x.
+// where it beats the copy program (docs/cpu_kernel.md).
 constexpr int64_t kStreamCopyBytes = 256;
 constexpr int64_t kStreamAnyBytes = int64_t(32) << 20;
 
 // Whether a copy writing `bytes` in copies of `copy_bytes` on average streams its stores.
 // Into memory whose pages exist (the _into op's outs, blocks the output cache reused)
-// only: into fresh 4 KiB pages it measured no faster, or slower (each page the fault has
-// just zeroed is still cached).
+// only: a page the fault has just zeroed is still cached, so streaming into it gains nothing.
 bool use_streaming(int64_t bytes, int64_t copy_bytes, bool warm) {
   return warm &&
       (bytes >= kStreamAnyBytes || (bytes >= stream_bytes() && copy_bytes >= kStreamCopyBytes));
@@ -304,10 +296,8 @@ size_t run_slot(const CopyRun& run) {
 // Narrow copies go kRowsPerPass rows at a time: per copy, the loads of every row, then
 // the stores (one row at a time, each store waits on its load). A program runs in passes
 // when at least half its copies are in runs of fixed widths up to kPassWidth bytes; in a
-// pass, other runs still go one row at a time. Side by side with one row at a time:
-// 0.66-0.81x the time for narrow bf16 (16-byte copies), 0.76-0.82x for 4-column float32
-// keys, 0.92-0.95x for 8 and 16 columns; runs of 256 or 520 bytes in passes measured
-// 1.03-1.10x, so they stay out.
+// pass, other runs still go one row at a time. Wider runs gain nothing from passes
+// (docs/cpu_kernel.md).
 constexpr int kRowsPerPass = 4;
 constexpr int64_t kPassWidth = 64;
 
@@ -324,11 +314,9 @@ struct ForwardProgram {
 };
 
 // Rows of at least this many bytes are copied in input order (`reorder`): past the L1
-// cache, reading each input row front to back keeps the prefetcher on one stream (the seed
-// layout, 517 KB rows: 0.64-0.69x copy_ against 0.66-0.77x). Shorter rows are copied in
-// output order, where runs write front to back (see CopyRun::contiguous): side by side,
-// 0.80-0.93x the time of input order for the narrow layout in float32 and 0.87x for the
-// serving layout in bf16 at B=512; no change elsewhere.
+// cache, reading each input row front to back keeps the prefetcher on one stream. Shorter
+// rows are copied in output order, where runs write front to back (see
+// CopyRun::contiguous). Measurements: docs/cpu_kernel.md.
 constexpr int64_t kReorderRowBytes = 32 * 1024;
 
 // `reorder`: read each input row front to back when the rows are long (the writes are
@@ -505,10 +493,8 @@ KT_INLINE void run_rows(
 }
 
 // Each kind of run is a small function of its own, which the program calls through a
-// table (CopyRun::slot). Side by side with one function that tested each run's width
-// against every common width and held the loops of all of them (2-core AMD EPYC, 1 thread,
-// B=512, `_into` from C++): 0.92-0.94x the time for narrow bf16 keys, within 2-9% of a
-// standalone C loop of the same passes.
+// table (CopyRun::slot): faster than one function that tests each run's width against
+// every common width (docs/cpu_kernel.md).
 using RunFn = void (*)(const CopyRun&, char*, int64_t, const char*, int64_t, const CopyOp*);
 
 // The two compilations of the run functions: baseline moves of up to kBaseChunk bytes, and
@@ -771,9 +757,6 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
   bool warm = false;
   std::vector<at::Tensor> outs =
       new_outputs(batch, out_lengths, first.options().dtype(out_dtype), plan->tiled, warm);
-  auto is_float = [](c10::ScalarType t) {
-    return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-  };
   // One pass per input dtype, over the segments that read inputs of that dtype.
   std::vector<std::pair<c10::ScalarType, std::vector<Segment>>> passes;
   for (const Segment& s : segments) {
@@ -1111,16 +1094,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   const int64_t n_in = static_cast<int64_t>(in_lengths.size());
   const std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
 
-  c10::Device device = permutes.device();
-  for (const at::Tensor* g : grads) {
-    if (g) {
-      device = g->device();
-      break;
-    }
-  }
-  auto is_float = [](c10::ScalarType t) {
-    return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-  };
+  const c10::Device device = gradients_device(grads, permutes);
   // The gradients' dtype (check_backward: one for all), the dtype's when there are none.
   c10::ScalarType grad_dtype = dtype;
   for (const at::Tensor* g : grads) {
@@ -1151,10 +1125,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   std::vector<at::Tensor> readable(grads.size());
   for (size_t j = 0; j < grads.size(); ++j) {
     if (!grads[j]) continue;
-    at::Tensor r = *grads[j];
-    if (r.is_conj()) r = r.resolve_conj();
-    if (r.is_neg()) r = r.resolve_neg();
-    readable[j] = std::move(r);
+    readable[j] = resolve_lazy(*grads[j]);
   }
   const int64_t es = c10::elementSize(dtype);
   const int64_t grad_es = c10::elementSize(grad_dtype);

@@ -1,12 +1,18 @@
 // Declarations shared by kt_regroup's C++ files.
 //
-// ops.cpp      schemas (TORCH_LIBRARY), the plan ops kt_regroup_arguments and
+// ops.cpp      the main ops' schemas (TORCH_LIBRARY), the plan ops kt_regroup_arguments and
 //              regroup_keyed_tensor, argument checks, build info
 // portable.cpp kernels made of ATen copies, for every device (CompositeExplicitAutograd)
 // cpu.cpp      the native CPU kernels
 // machine_code.h/.cpp  the CPU copy programs as x86-64 machine code
 // cpu_memory.h/.cpp  the CPU kernels' large outputs: a bounded cache of freed blocks
 // autograd.cpp the autograd kernels (the only autograd when this library is loaded)
+// vbe.cpp      the variable-batch ops (permute_multi_embedding_vbe and its backward):
+//              schemas, checks, CPU and portable kernels, autograd
+// cuda/        the CUDA kernels (kernels.cuh) and their host code and registration
+//              (permute.cu), built when the CUDA toolkit is found
+// The private diagnostic ops (_cpu_memory, _cpu_copy_program, _cpu_machine_code) are
+// defined beside what they report, in cpu_memory.cpp and machine_code.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,9 +30,7 @@ constexpr int64_t kPermuteColumns = 6;
 
 // The CPU kernels hand work to threads in chunks of at least this many bytes: ATen's own
 // grain for copies (at::internal::GRAIN_SIZE, 32768 float32 elements), so a regroup runs
-// on as many threads as a clone of its outputs does. A B=32 serving request (tens of KiB)
-// runs inline; at B=512 (~1 MiB) two threads took the serving layout from 2.5-2.8x a
-// clone of the outputs (one thread) to 1.2-1.4x (Intel Xeon VM, 2 threads, 2026-12-05).
+// on as many threads as a clone of its outputs does (docs/cpu_kernel.md).
 constexpr int64_t kGrainBytes = 128 * 1024;
 
 // One copy: out[out_t][:, out_off:out_off+length] = in[in_t][:, in_off:in_off+length].
@@ -44,6 +48,34 @@ template <typename T>
 using PerTensor = c10::SmallVector<T, 8>;
 // Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None.
 using TensorPtrs = PerTensor<const at::Tensor*>;
+
+// A floating dtype the kernels compute in (accumulation, fused casts).
+inline bool is_float(c10::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// The plan where the host reads it without waiting for a device.
+inline bool on_host(
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes) {
+  return permutes.is_cpu() && in_shapes.is_cpu() && out_shapes.is_cpu();
+}
+
+// `t` with its lazy conjugate and negative bits resolved (the kernels copy bytes).
+inline at::Tensor resolve_lazy(const at::Tensor& t) {
+  at::Tensor r = t.is_conj() ? t.resolve_conj() : t;
+  return r.is_neg() ? r.resolve_neg() : r;
+}
+
+// The device of a backward's input gradients: that of the first gradient given (the
+// checks put all on one device), else the plan's.
+inline c10::Device gradients_device(const TensorPtrs& grads, const at::Tensor& permutes) {
+  for (const at::Tensor* g : grads) {
+    if (g) return g->device();
+  }
+  return permutes.device();
+}
 
 // A dense (strided, not quantized, not nested) tensor, or a TypeError naming `name[i]`
 // (`name` alone for i < 0).

@@ -705,6 +705,11 @@ struct Rows {
   std::vector<int64_t> out_lengths;
 };
 
+// Shared by kt_regroup_arguments and regroup_keyed_tensor (which reads pooled_embs[0]).
+void check_has_inputs(const Names& keys) {
+  TORCH_CHECK_VALUE(!keys.empty(), "kt_regroup: no input tensors given (keys is empty)");
+}
+
 // One row per group entry; duplicated keys are chained through column 5 the way
 // torchrec's _kt_regroup_arguments does (first occurrence -> index of the second; later
 // occurrences -> minus the index of the next one, the last -> minus the row count).
@@ -712,7 +717,7 @@ Rows build_rows(
     const Names& keys,
     const std::vector<std::vector<int64_t>>& lengths,
     const Names& groups) {
-  TORCH_CHECK_VALUE(!keys.empty(), "kt_regroup: no input tensors given (keys is empty)");
+  check_has_inputs(keys);
   TORCH_CHECK_VALUE(
       keys.size() == lengths.size(), "kt_regroup: got keys for ", keys.size(),
       " tensors but lengths for ", lengths.size());
@@ -829,7 +834,7 @@ std::vector<at::Tensor> regroup_keyed_tensor(
   TORCH_CHECK_VALUE(
       pooled_embs.size() == keys.size(), "kt_regroup.regroup_keyed_tensor: ",
       pooled_embs.size(), " tensors but keys for ", keys.size());
-  TORCH_CHECK_VALUE(!keys.empty(), "kt_regroup: no input tensors given (keys is empty)");
+  check_has_inputs(keys);
   static auto arguments_op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kt_regroup::kt_regroup_arguments", "")

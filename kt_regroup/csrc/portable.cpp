@@ -117,11 +117,8 @@ std::vector<at::Tensor> permute_multi_embedding_backward(
   const std::vector<Segment> segments = check_backward(
       "permute_multi_embedding_backward", grads, permutes, in_shapes, out_shapes, in_lengths,
       batch_size);
-  c10::Device device = permutes.device();
-  for (const at::Tensor* g : grads) {
-    if (g) device = g->device();
-  }
-  return backward_by_segments(grads, segments, in_lengths, batch_size, dtype, device);
+  return backward_by_segments(
+      grads, segments, in_lengths, batch_size, dtype, gradients_device(grads, permutes));
 }
 
 }  // namespace

@@ -329,11 +329,6 @@ std::vector<at::Tensor> vbe_portable(
   return outs;
 }
 
-// The plan where the host reads it without waiting.
-bool on_host(const at::Tensor& permutes, const at::Tensor& in_shapes, const at::Tensor& out_shapes) {
-  return permutes.is_cpu() && in_shapes.is_cpu() && out_shapes.is_cpu();
-}
-
 }  // namespace
 
 at::Tensor vbe_backward_portable(
@@ -347,10 +342,7 @@ at::Tensor vbe_backward_portable(
     c10::ScalarType dtype) {
   const Backward k = check_vbe_backward(
       grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
-  c10::Device device = permutes.device();
-  for (const at::Tensor* g : k.grads) {
-    if (g) device = g->device();
-  }
+  const c10::Device device = gradients_device(k.grads, permutes);
   at::Tensor buffer;
   std::vector<at::Tensor> grads =
       gradient_views(in_rows, in_lengths, at::TensorOptions().dtype(dtype).device(device), &buffer);
