@@ -37,8 +37,8 @@ std::vector<at::Tensor> call_forward(
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kt_regroup::permute_multi_embedding", "")
                        .typed<std::vector<at::Tensor>(
-                           at::TensorList, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, c10::SymIntArrayRef)>();
+                           at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           c10::SymIntArrayRef)>();
   return op.call(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
 }
 
@@ -52,9 +52,8 @@ std::vector<at::Tensor> call_forward_to(
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kt_regroup::permute_multi_embedding_to", "")
                        .typed<std::vector<at::Tensor>(
-                           at::TensorList, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, c10::SymIntArrayRef,
-                           std::optional<c10::ScalarType>)>();
+                           at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           c10::SymIntArrayRef, std::optional<c10::ScalarType>)>();
   return op.call(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype);
 }
 
@@ -70,8 +69,7 @@ std::vector<at::Tensor> call_backward(
                        .findSchemaOrThrow("kt_regroup::permute_multi_embedding_backward", "")
                        .typed<std::vector<at::Tensor>(
                            const OptionalTensors&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, c10::SymIntArrayRef, c10::SymInt,
-                           c10::ScalarType)>();
+                           const at::Tensor&, c10::SymIntArrayRef, c10::SymInt, c10::ScalarType)>();
   return op.call(
       grad_outputs, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
 }
@@ -85,8 +83,8 @@ void call_into(
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("kt_regroup::permute_multi_embedding_into", "")
                        .typed<void(
-                           at::TensorList, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, at::TensorList)>();
+                           at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           at::TensorList)>();
   op.call(pooled_embs, permutes, in_shapes, out_shapes, outs);
 }
 
@@ -152,7 +150,8 @@ class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
       // Gradients in the widest input dtype; autograd casts each to its input's dtype
       // (inputs differ in dtype only for the fused cast).
       c10::ScalarType grad_dtype = first.scalar_type();
-      for (const at::Tensor& t : pooled_embs) grad_dtype = c10::promoteTypes(grad_dtype, t.scalar_type());
+      for (const at::Tensor& t : pooled_embs)
+        grad_dtype = c10::promoteTypes(grad_dtype, t.scalar_type());
       // A complex output has complex gradients: they are accumulated as such, and a real
       // input gets their real part, as torch's cast (.to) and torch.cat backward give it.
       if (cast && dtype.has_value() && c10::isComplexType(*dtype)) {
@@ -175,10 +174,9 @@ class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto& saved = ctx->saved_data;
     variable_list grads = call_backward(
-        optionals(grad_outputs), saved.at("permutes").toTensor(),
-        saved.at("in_shapes").toTensor(), saved.at("out_shapes").toTensor(),
-        saved.at("in_lengths").toSymIntVector(), saved.at("batch_size").toSymInt(),
-        saved.at("dtype").toScalarType());
+        optionals(grad_outputs), saved.at("permutes").toTensor(), saved.at("in_shapes").toTensor(),
+        saved.at("out_shapes").toTensor(), saved.at("in_lengths").toSymIntVector(),
+        saved.at("batch_size").toSymInt(), saved.at("dtype").toScalarType());
     if (const auto it = saved.find("real_inputs"); it != saved.end()) {
       for (const c10::IValue& i : it->second.toListRef()) {
         at::Tensor& g = grads[i.toInt()];
@@ -215,8 +213,7 @@ class PermuteBackwardFunction : public torch::autograd::Function<PermuteBackward
     }
     ctx->saved_data["out_lengths"] = c10::IValue(c10::SymIntArrayRef(widths));
     ctx->saved_data["positions"] = positions;
-    ctx->saved_data["grad_dtype"] =
-        defined_grads.empty() ? dtype : defined_grads[0].scalar_type();
+    ctx->saved_data["grad_dtype"] = defined_grads.empty() ? dtype : defined_grads[0].scalar_type();
     ctx->saved_data["batch_size"] = batch_size;
     ctx->saved_data["in_lengths"] = c10::IValue(in_lengths);
     save_metadata(ctx, permutes, in_shapes, out_shapes);
@@ -283,8 +280,7 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> split_duals(at::Tens
 }
 
 std::vector<at::Tensor> with_tangents(
-    std::vector<at::Tensor> outs,
-    const std::vector<at::Tensor>& tangents) {
+    std::vector<at::Tensor> outs, const std::vector<at::Tensor>& tangents) {
   for (size_t j = 0; j < outs.size(); ++j) {
     outs[j]._set_fw_grad(tangents[j], /*level=*/0, /*is_inplace_op=*/false);
   }
@@ -297,9 +293,9 @@ std::vector<at::Tensor> with_tangents(
 // small serving batch. Tangents are looked for first: that path never drops one.
 bool records_grad(at::TensorList tensors) {
   return at::GradMode::is_enabled() &&
-      std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
-        return t.defined() && t.requires_grad();
-      });
+         std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+           return t.defined() && t.requires_grad();
+         });
 }
 
 std::vector<at::Tensor> permute_autograd(
@@ -369,14 +365,15 @@ std::vector<at::Tensor> permute_multi_embedding_backward_autograd(
         tangents.push_back(std::nullopt);
       }
     }
-    std::vector<at::Tensor> outs = call_backward(
-        primals, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype);
+    std::vector<at::Tensor> outs =
+        call_backward(primals, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype);
     return with_tangents(
         std::move(outs),
         call_backward(
             tangents, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype));
   }
-  const bool record = at::GradMode::is_enabled() &&
+  const bool record =
+      at::GradMode::is_enabled() &&
       std::any_of(grad_outputs.begin(), grad_outputs.end(), [](const std::optional<at::Tensor>& g) {
         return g.has_value() && g->defined() && g->requires_grad();
       });
@@ -409,9 +406,11 @@ void permute_multi_embedding_into_autograd(
     const at::Tensor& out_shapes,
     at::TensorList outs) {
   constexpr const char* op = "kt_regroup.permute_multi_embedding_into";
-  constexpr const char* use = "call it under torch.no_grad() or torch.inference_mode(), or use "
-                              "permute_multi_embedding";
-  const std::pair<const char*, at::TensorList> lists[] = {{"outs", outs}, {"pooled_embs", pooled_embs}};
+  constexpr const char* use =
+      "call it under torch.no_grad() or torch.inference_mode(), or use "
+      "permute_multi_embedding";
+  const std::pair<const char*, at::TensorList> lists[] = {
+      {"outs", outs}, {"pooled_embs", pooled_embs}};
   for (const auto& [name, tensors] : lists) {
     for (size_t i = 0; i < tensors.size(); ++i) {
       TORCH_CHECK(
@@ -436,11 +435,13 @@ void permute_multi_embedding_into_autograd(
           break;
         case can_mutate_inplace_result::view_of_leaf:
           TORCH_CHECK(
-              false, op, ": outs[", j, "]: a view of a leaf Variable that requires grad is "
+              false, op, ": outs[", j,
+              "]: a view of a leaf Variable that requires grad is "
               "being used in an in-place operation.");
         case can_mutate_inplace_result::is_leaf:
           TORCH_CHECK(
-              false, op, ": outs[", j, "]: a leaf Variable that requires grad is being used "
+              false, op, ": outs[", j,
+              "]: a leaf Variable that requires grad is being used "
               "in an in-place operation.");
       }
     }

@@ -11,8 +11,8 @@
 // gradients are read with their own strides, stride 0 included, never materialised.
 // Arguments are checked (ops.cpp) before any data is touched.
 
-#include "kt_regroup.h"
 #include "cpu_memory.h"
+#include "kt_regroup.h"
 #include "machine_code.h"
 
 #include <ATen/ATen.h>
@@ -154,13 +154,16 @@ constexpr int64_t kStreamAnyBytes = int64_t(32) << 20;
 // only: a page the fault has just zeroed is still cached, so streaming into it gains nothing.
 bool use_streaming(int64_t bytes, int64_t copy_bytes, bool warm) {
   return warm &&
-      (bytes >= kStreamAnyBytes || (bytes >= stream_bytes() && copy_bytes >= kStreamCopyBytes));
+         (bytes >= kStreamAnyBytes || (bytes >= stream_bytes() && copy_bytes >= kStreamCopyBytes));
 }
 
 // Outputs [batch, n] for each n, zero-filled unless `tiled` (every column written);
 // `warm` is set to whether all of them reuse faulted-in pages.
 std::vector<at::Tensor> new_outputs(
-    int64_t batch, c10::IntArrayRef widths, const c10::TensorOptions& options, bool tiled,
+    int64_t batch,
+    c10::IntArrayRef widths,
+    const c10::TensorOptions& options,
+    bool tiled,
     bool& warm) {
   std::vector<at::Tensor> outs;
   outs.reserve(widths.size());
@@ -176,8 +179,6 @@ std::vector<at::Tensor> new_outputs(
 int64_t grain_rows(int64_t bytes_per_row) {
   return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, bytes_per_row));
 }
-
-
 
 bool writes_disjoint(const std::vector<Segment>& segments) {
   std::vector<const Segment*> order;
@@ -213,9 +214,7 @@ std::vector<const Segment*> copy_order(const std::vector<Segment>& segments, int
 // The forward with an element-wise cast fused into the copy (src_t -> dst_t).
 template <typename src_t, typename dst_t>
 void permute_convert_into(
-    at::TensorList pooled_embs,
-    const std::vector<Segment>& segments,
-    at::TensorList outs) {
+    at::TensorList pooled_embs, const std::vector<Segment>& segments, at::TensorList outs) {
   const int64_t batch = pooled_embs[0].size(0);
   if (batch == 0 || segments.empty()) return;
   PerTensor<at::Tensor> inputs(pooled_embs.begin(), pooled_embs.end());
@@ -398,9 +397,7 @@ struct ChunkMove {  // 8 bytes or fewer: an integer register
     std::memcpy(&v, s, C);
     return v;
   }
-  static KT_INLINE void store(char* d, reg v) {
-    std::memcpy(d, &v, C);
-  }
+  static KT_INLINE void store(char* d, reg v) { std::memcpy(d, &v, C); }
 };
 #if defined(KT_VECTORS)
 // B bytes in one vector register, read and written through an unaligned, aliasing type
@@ -414,12 +411,8 @@ template <int64_t B>
 struct VectorMove {
   typedef long long reg __attribute__((vector_size(B)));
   typedef long long mem __attribute__((vector_size(B), may_alias, aligned(1)));
-  static KT_INLINE reg load(const char* s) {
-    return *reinterpret_cast<const mem*>(s);
-  }
-  static KT_INLINE void store(char* d, reg v) {
-    *reinterpret_cast<mem*>(d) = v;
-  }
+  static KT_INLINE reg load(const char* s) { return *reinterpret_cast<const mem*>(s); }
+  static KT_INLINE void store(char* d, reg v) { *reinterpret_cast<mem*>(d) = v; }
 };
 template <>
 struct ChunkMove<16> : VectorMove<16> {};
@@ -521,10 +514,9 @@ struct Avx2Runs {
 // The run functions of one compilation for R rows, by slot.
 template <class Runs, int R, size_t... I>
 constexpr std::array<RunFn, 2 * kWidthSlots> run_table(std::index_sequence<I...>) {
-  return {&Runs::template run<kFixedWidths[I], false, R>...,
-          &Runs::template run<0, false, R>,
-          &Runs::template run<kFixedWidths[I], true, R>...,
-          &Runs::template run<0, true, R>};
+  return {
+      &Runs::template run<kFixedWidths[I], false, R>..., &Runs::template run<0, false, R>,
+      &Runs::template run<kFixedWidths[I], true, R>..., &Runs::template run<0, true, R>};
 }
 
 // The program over rows [b0, b1).
@@ -543,8 +535,7 @@ inline void program_pass(const ProgramRows& p, int64_t b, const RunFn* fns) {
   for (size_t r = 0; r < p.n_runs; ++r) {
     const CopyRun& run = p.runs[r];
     const int64_t ds = p.out_stride[run.out_t], ss = p.in_stride[run.in_t];
-    fns[run.slot](
-        run, p.out_base[run.out_t] + b * ds, ds, p.in_base[run.in_t] + b * ss, ss, p.ops);
+    fns[run.slot](run, p.out_base[run.out_t] + b * ds, ds, p.in_base[run.in_t] + b * ss, ss, p.ops);
   }
 }
 
@@ -552,8 +543,7 @@ template <class Runs>
 void program_rows(const ProgramRows& p, int64_t b0, int64_t b1) {
   constexpr auto widths = std::make_index_sequence<std::size(kFixedWidths)>();
   static constexpr std::array<RunFn, 2 * kWidthSlots> one = run_table<Runs, 1>(widths);
-  static constexpr std::array<RunFn, 2 * kWidthSlots> pass =
-      run_table<Runs, kRowsPerPass>(widths);
+  static constexpr std::array<RunFn, 2 * kWidthSlots> pass = run_table<Runs, kRowsPerPass>(widths);
   int64_t b = b0;
   if (p.in_passes) {
     for (; b + kRowsPerPass <= b1; b += kRowsPerPass) program_pass(p, b, pass.data());
@@ -586,8 +576,11 @@ ForwardProgram compile_kept(const std::vector<Segment>& segments, int64_t es) {
 // copy(b0, b1), then after(b0, b1) when given, in steps of about kGrainBytes of rows.
 template <typename Copy>
 void in_steps(
-    int64_t b0, int64_t b1, int64_t bytes_per_row,
-    const std::function<void(int64_t, int64_t)>& after, const Copy& copy) {
+    int64_t b0,
+    int64_t b1,
+    int64_t bytes_per_row,
+    const std::function<void(int64_t, int64_t)>& after,
+    const Copy& copy) {
   if (!after) return copy(b0, b1);
   const int64_t step = grain_rows(bytes_per_row);
   for (int64_t s = b0; s < b1; s += step) {
@@ -653,8 +646,8 @@ void run_program(
 
   record_copy_engine(program.engine);
   const ProgramRows rows{program.runs.data(), program.runs.size(), program.ops.data(),
-                         t.in_base.data(),     t.in_stride.data(),    t.out_base.data(),
-                         t.out_stride.data(),  program.in_passes};
+                         t.in_base.data(),    t.in_stride.data(),  t.out_base.data(),
+                         t.out_stride.data(), program.in_passes};
   at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
     in_steps(b0, b1, bytes_per_row, after, [&](int64_t s0, int64_t s1) {
       if (program.code && s1 > s0) {
@@ -704,10 +697,7 @@ void permute_forward_into(
 
 // The same for all of a checked plan's segments, with the program the plan keeps.
 void permute_plan_into(
-    at::TensorList pooled_embs,
-    const CheckedPlan& plan,
-    at::TensorList outs,
-    bool warm) {
+    at::TensorList pooled_embs, const CheckedPlan& plan, at::TensorList outs, bool warm) {
   const std::vector<Segment>& segments = plan.segments;
   if (pooled_embs[0].size(0) == 0 || segments.empty()) return;
   const int64_t es = outs[segments[0].out_t].element_size();
@@ -761,9 +751,8 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
   std::vector<std::pair<c10::ScalarType, std::vector<Segment>>> passes;
   for (const Segment& s : segments) {
     const c10::ScalarType in_dtype = pooled_embs[s.in_t].scalar_type();
-    auto it = std::find_if(passes.begin(), passes.end(), [&](const auto& p) {
-      return p.first == in_dtype;
-    });
+    auto it = std::find_if(
+        passes.begin(), passes.end(), [&](const auto& p) { return p.first == in_dtype; });
     if (it == passes.end()) it = passes.insert(passes.end(), {in_dtype, {}});
     it->second.push_back(s);
   }
@@ -775,15 +764,15 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
     } else if (is_float(in_dtype) && is_float(out_dtype)) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in_dtype, "kt_regroup_to", [&] {
         using src_t = scalar_t;
-        AT_DISPATCH_FLOATING_TYPES_AND2(
-            at::kHalf, at::kBFloat16, out_dtype, "kt_regroup_to", [&] {
-              permute_convert_into<src_t, scalar_t>(pooled_embs, segs, outs);
-            });
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "kt_regroup_to", [&] {
+          permute_convert_into<src_t, scalar_t>(pooled_embs, segs, outs);
+        });
       });
     } else {  // integer / complex casts: ATen's copy_ casts
       for (const Segment& s : segs) {
-        outs[s.out_t].narrow(1, s.out_off, s.length).copy_(
-            pooled_embs[s.in_t].narrow(1, s.in_off, s.length));
+        outs[s.out_t]
+            .narrow(1, s.out_off, s.length)
+            .copy_(pooled_embs[s.in_t].narrow(1, s.in_off, s.length));
       }
     }
   }
@@ -813,7 +802,7 @@ struct GradBlock {
   int64_t first;  // index of its first source in `sources`
   int64_t count;  // 0: zeros; 1: copy; more: sum in row order
   int64_t out_i;  // which input gradient
-  bool unit;  // every source has unit column stride (or one column)
+  bool unit;      // every source has unit column stride (or one column)
 };
 // Element (b, c) of a source is at base + b * row_stride + c * col_stride (elements).
 // Strides come straight from the upstream gradient: 0 for broadcast (expanded) rows or
@@ -828,14 +817,16 @@ struct GradSource {
 
 template <typename scalar_t>
 using acc_type_t = std::conditional_t<
-    std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>, float,
+    std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>,
+    float,
     scalar_t>;
 
 // The type a gradient of `dst_t` accumulates in, and the type each addition of a
 // `src_t` value is done in (as `acc += src` in ATen: the wider of the two, rounded back).
 template <typename dst_t, typename src_t>
 using add_type_t = std::conditional_t<
-    std::is_same_v<src_t, double> || std::is_same_v<acc_type_t<dst_t>, double>, double,
+    std::is_same_v<src_t, double> || std::is_same_v<acc_type_t<dst_t>, double>,
+    double,
     acc_type_t<dst_t>>;
 
 // One gradient value of `src_t` as a `dst_t` gradient: through the accumulation type, as
@@ -845,7 +836,8 @@ inline dst_t grad_convert(src_t v) {
   if constexpr (std::is_same_v<src_t, dst_t>) {
     return v;
   } else {
-    return static_cast<dst_t>(static_cast<acc_type_t<dst_t>>(static_cast<add_type_t<dst_t, src_t>>(v)));
+    return static_cast<dst_t>(
+        static_cast<acc_type_t<dst_t>>(static_cast<add_type_t<dst_t, src_t>>(v)));
   }
 }
 
@@ -890,8 +882,8 @@ void backward_row_range(
   constexpr int64_t es = sizeof(dst_t);
   for (int64_t b = b0; b < b1; ++b) {
     for (const GradBlock& g : blocks) {
-      dst_t* d = reinterpret_cast<dst_t*>(dsts[g.out_i].first + b * dsts[g.out_i].second) +
-          g.dst_off;
+      dst_t* d =
+          reinterpret_cast<dst_t*>(dsts[g.out_i].first + b * dsts[g.out_i].second) + g.dst_off;
       if (g.count == 0) {  // columns of keys no group uses
         std::memset(d, 0, g.numel * es);
         continue;
@@ -978,7 +970,7 @@ void run_copies(
   const int64_t es = c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
   auto same = [&](const Compiled& c) {
     return c.program && c.es == es && c.copies.size() == copies.size() &&
-        std::memcmp(c.copies.data(), copies.data(), copies.size() * sizeof(Segment)) == 0;
+           std::memcmp(c.copies.data(), copies.data(), copies.size() * sizeof(Segment)) == 0;
   };
   const Compiled* hit = std::find_if(std::begin(cache), std::end(cache), same);
   if (hit == std::end(cache)) {
@@ -1003,7 +995,7 @@ void run_copies(
 struct BackwardCopies {
   int64_t es = 0;
   std::vector<bool> given;  // which upstream gradients were not None
-  bool disjoint = false;  // false: a duplicated key, so sums (the block loop)
+  bool disjoint = false;    // false: a duplicated key, so sums (the block loop)
   bool tiled = false;
   std::vector<Segment> copies;  // in_t: an upstream gradient, out_t: an input gradient
   std::shared_ptr<const ForwardProgram> program;
@@ -1103,14 +1095,14 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   // The same dtype (float or integer), or a cast between float dtypes: the fused cast's
   // backward (upstream gradients in the output dtype, input gradients in the input's).
   const bool fast = grad_dtype == dtype
-      ? is_float(dtype) || c10::isIntegralType(dtype, /*includeBool=*/false)
-      : is_float(dtype) && is_float(grad_dtype);
+                        ? is_float(dtype) || c10::isIntegralType(dtype, /*includeBool=*/false)
+                        : is_float(dtype) && is_float(grad_dtype);
   if (!fast) return backward_by_segments(grads, segments, in_lengths, batch_size, dtype, device);
   if (grad_dtype == dtype) {
     std::vector<at::Tensor> out;
     if (backward_by_program(
-            *plan, grads, in_lengths, batch_size,
-            at::TensorOptions().dtype(dtype).device(device), out)) {
+            *plan, grads, in_lengths, batch_size, at::TensorOptions().dtype(dtype).device(device),
+            out)) {
       return out;
     }
   }
@@ -1191,8 +1183,8 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
         const int64_t cs = src.stride(1);
         g.unit = g.unit && (cs == 1 || g.numel == 1);
         sources.push_back(GradSource{
-            static_cast<const char*>(src.const_data_ptr()) + p.out_off * cs * grad_es, src.stride(0),
-            cs, p.out_t, p.out_off});
+            static_cast<const char*>(src.const_data_ptr()) + p.out_off * cs * grad_es,
+            src.stride(0), cs, p.out_t, p.out_off});
       }
       blocks.push_back(g);
       k = end;
@@ -1233,17 +1225,19 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
         };
       }
       run_copies(
-          grad_ptrs, copies, batch_size, at::TensorOptions().dtype(dtype).device(device), out,
-          warm, after);
+          grad_ptrs, copies, batch_size, at::TensorOptions().dtype(dtype).device(device), out, warm,
+          after);
     });
   } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
-      using dst_t = scalar_t;
-      AT_DISPATCH_FLOATING_TYPES_AND2(
-          at::kHalf, at::kBFloat16, grad_dtype, "kt_regroup_backward_cpu", [&] {
-            backward_rows<dst_t, scalar_t>(batch_size, blocks, sources, dsts, bytes_per_row, warm);
-          });
-    });
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
+          using dst_t = scalar_t;
+          AT_DISPATCH_FLOATING_TYPES_AND2(
+              at::kHalf, at::kBFloat16, grad_dtype, "kt_regroup_backward_cpu", [&] {
+                backward_rows<dst_t, scalar_t>(
+                    batch_size, blocks, sources, dsts, bytes_per_row, warm);
+              });
+        });
   }
   return out;
 }

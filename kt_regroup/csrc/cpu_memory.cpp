@@ -34,8 +34,10 @@ bool env_flag(const char* name, bool fallback) {
   if (s == "1" || s == "true" || s == "on" || s == "yes") return true;
   if (s == "0" || s == "false" || s == "off" || s == "no") return false;
   TORCH_WARN(
-      "kt_regroup: ignoring ", name, "='", v, "': expected 1 or 0 (or true/false, on/off, "
-      "yes/no); using the default, ", fallback ? "on" : "off");
+      "kt_regroup: ignoring ", name, "='", v,
+      "': expected 1 or 0 (or true/false, on/off, "
+      "yes/no); using the default, ",
+      fallback ? "on" : "off");
   return fallback;
 }
 
@@ -145,9 +147,7 @@ class BlockCache final : public c10::Allocator {
     return {p, new Block{p, rounded}, &give_back, c10::Device(c10::DeviceType::CPU)};
   }
 
-  c10::DataPtr allocate(size_t nbytes) override {
-    return take(nbytes, nullptr);
-  }
+  c10::DataPtr allocate(size_t nbytes) override { return take(nbytes, nullptr); }
   c10::DeleterFnPtr raw_deleter() const override {
     return nullptr;  // each block carries its size: no single raw deleter
   }
@@ -159,7 +159,8 @@ class BlockCache final : public c10::Allocator {
   // `empty` releases every cached block first (the limit stays), in the same locked step.
   std::vector<int64_t> configure(
       std::optional<int64_t> limit, std::optional<bool> huge, bool empty) {
-    TORCH_CHECK(!limit || *limit >= 0, "kt_regroup: the CPU cache limit must be >= 0, got ", *limit);
+    TORCH_CHECK(
+        !limit || *limit >= 0, "kt_regroup: the CPU cache limit must be >= 0, got ", *limit);
     std::deque<Block> released;
     std::vector<int64_t> state;
     {
@@ -181,8 +182,8 @@ class BlockCache final : public c10::Allocator {
       auto* c = new BlockCache();  // never destroyed: tensors may outlive static destructors
 #if defined(__linux__)
       // No thread holds the lock across fork(): the child may allocate at once.
-      pthread_atfork([] { get().mu_.lock(); }, [] { get().mu_.unlock(); },
-                     [] { get().mu_.unlock(); });
+      pthread_atfork(
+          [] { get().mu_.lock(); }, [] { get().mu_.unlock(); }, [] { get().mu_.unlock(); });
 #endif
       return c;
     }();
@@ -190,9 +191,7 @@ class BlockCache final : public c10::Allocator {
   }
 
  private:
-  static void give_back(void* ctx) {
-    get().put(static_cast<Block*>(ctx));
-  }
+  static void give_back(void* ctx) { get().put(static_cast<Block*>(ctx)); }
 
   void put(Block* block) {
     const Block b = *block;
@@ -237,8 +236,7 @@ std::vector<int64_t> cpu_memory(
 
 }  // namespace
 
-at::Tensor empty_cpu(
-    c10::IntArrayRef sizes, const c10::TensorOptions& options, bool* warm) {
+at::Tensor empty_cpu(c10::IntArrayRef sizes, const c10::TensorOptions& options, bool* warm) {
   const c10::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
   const size_t nbytes = at::detail::computeStorageNbytesContiguous(sizes, c10::elementSize(dtype));
   if (warm) *warm = false;
@@ -254,8 +252,7 @@ at::Tensor empty_cpu(
   return t;
 }
 
-at::Tensor zeros_cpu(
-    c10::IntArrayRef sizes, const c10::TensorOptions& options, bool* warm) {
+at::Tensor zeros_cpu(c10::IntArrayRef sizes, const c10::TensorOptions& options, bool* warm) {
   return empty_cpu(sizes, options, warm).zero_();
 }
 
@@ -263,6 +260,7 @@ at::Tensor zeros_cpu(
 
 TORCH_LIBRARY_FRAGMENT(kt_regroup, m) {
   // kt_regroup.cpu_memory() / empty_cpu_cache(): the output cache's state and settings.
-  m.def("_cpu_memory(int? cache_limit=None, bool? huge_pages=None, bool empty=False) -> int[]",
-        TORCH_FN(kt_regroup::cpu_memory));
+  m.def(
+      "_cpu_memory(int? cache_limit=None, bool? huge_pages=None, bool empty=False) -> int[]",
+      TORCH_FN(kt_regroup::cpu_memory));
 }

@@ -11,7 +11,8 @@
 // 2 GiB, KT_REGROUP_CPU_CACHE_MB; 0 turns it off); when a freed block would pass the
 // limit, the oldest cached blocks are released first. kt_regroup.empty_cpu_cache()
 // releases them all. Each block is its own mapping (mmap/munmap on Linux), so a released
-// block's pages go back to the system at once. A block is reused for a request of at least 3/4 of its size.
+// block's pages go back to the system at once. A block is reused for a request of at least 3/4 of
+// its size.
 //
 // Huge pages (KT_REGROUP_HUGE_PAGES=1, off by default): new blocks are 2 MiB-aligned,
 // rounded to whole 2 MiB pages and madvise(MADV_HUGEPAGE)d before first touch (Linux's

@@ -56,9 +56,7 @@ inline bool is_float(c10::ScalarType t) {
 
 // The plan where the host reads it without waiting for a device.
 inline bool on_host(
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes) {
+    const at::Tensor& permutes, const at::Tensor& in_shapes, const at::Tensor& out_shapes) {
   return permutes.is_cpu() && in_shapes.is_cpu() && out_shapes.is_cpu();
 }
 

@@ -116,8 +116,12 @@ MachineCode::~MachineCode() {
 }
 
 void MachineCode::run(
-    const char* const* in_base, const int64_t* in_stride, char* const* out_base,
-    const int64_t* out_stride, int64_t b0, int64_t b1) const {
+    const char* const* in_base,
+    const int64_t* in_stride,
+    char* const* out_base,
+    const int64_t* out_stride,
+    int64_t b0,
+    int64_t b1) const {
   char* row[kMaxTensors];
   int64_t stride[kMaxTensors];
   for (size_t k = 0; k < tensors_.size(); ++k) {
@@ -160,8 +164,12 @@ std::shared_ptr<const MachineCode> compile_machine_code(
   auto chunks = [](int64_t nbytes, auto&& each) {
     for (int64_t done = 0; done < nbytes;) {
       const int64_t left = nbytes - done;
-      const int n = left >= 32 ? 32 : left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4
-          : left >= 2 ? 2 : 1;
+      const int n = left >= 32   ? 32
+                    : left >= 16 ? 16
+                    : left >= 8  ? 8
+                    : left >= 4  ? 4
+                    : left >= 2  ? 2
+                                 : 1;
       if (n == 32) {
         each(32, done, left / 32);  // all of the copy's 32-byte moves at once
         done += left / 32 * 32;
@@ -198,7 +206,7 @@ std::shared_ptr<const MachineCode> compile_machine_code(
   auto epilogue = [&](Assembler& a, int64_t top) {
     for (size_t k = 0; k < tensors.size(); ++k) a.add_ptr(kRegs[k], kStrideArg, 8 * int64_t(k));
     a.byte(0x48), a.byte(0xFF), a.byte(0xCA);  // dec rdx
-    a.byte(0x0F), a.byte(0x85);  // jnz top
+    a.byte(0x0F), a.byte(0x85);                // jnz top
     a.disp32(top - int64_t(a.code.size() + 4));
     a.byte(0xC5), a.byte(0xF8), a.byte(0x77);  // vzeroupper
     for (auto r = saved.rbegin(); r != saved.rend(); ++r) a.pop(*r);
@@ -222,12 +230,14 @@ std::shared_ptr<const MachineCode> compile_machine_code(
   for (const RowCopy& c : copies) {
     const int src = reg_of(c.in_t, false), dst = reg_of(c.out_t, true);
     chunks(c.nbytes, [&](int n, int64_t done, int64_t count) {
-      for (int64_t k = 0; k < count; ++k, done += n) a.move(n, src, c.src + done, dst, c.dst + done);
+      for (int64_t k = 0; k < count; ++k, done += n)
+        a.move(n, src, c.src + done, dst, c.dst + done);
     });
   }
   epilogue(a, int64_t(top));
-  TORCH_INTERNAL_ASSERT(int64_t(a.code.size()) == total, "machine code of ", a.code.size(),
-                        " bytes, ", total, " expected");
+  TORCH_INTERNAL_ASSERT(
+      int64_t(a.code.size()) == total, "machine code of ", a.code.size(), " bytes, ", total,
+      " expected");
 
   const size_t size = a.code.size();
   void* mem = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -254,7 +264,8 @@ std::atomic<uint64_t> last_engine{0};
 }  // namespace
 
 void record_copy_engine(CopyEngineWhy why) {
-  const uint64_t packed = static_cast<uint64_t>(why.engine) | static_cast<uint64_t>(why.detail) << 8;
+  const uint64_t packed = static_cast<uint64_t>(why.engine) | static_cast<uint64_t>(why.detail)
+                                                                  << 8;
   // A load first: calls that run the same program leave the cache line shared.
   if (last_engine.load(std::memory_order_relaxed) != packed) {
     last_engine.store(packed, std::memory_order_relaxed);
@@ -269,18 +280,27 @@ std::string describe(CopyEngineWhy why) {
   switch (why.engine) {
     case CopyEngine::kNone: {
       const CopyEngineWhy setting = machine_code_setting();
-      return "none has run yet: " +
-          (setting.engine == CopyEngine::kMachineCode ? "machine code where a plan allows it"
-                                                       : describe(setting));
+      return "none has run yet: " + (setting.engine == CopyEngine::kMachineCode
+                                         ? "machine code where a plan allows it"
+                                         : describe(setting));
     }
-    case CopyEngine::kMachineCode: return "machine code";
+    case CopyEngine::kMachineCode:
+      return "machine code";
     case CopyEngine::kStreaming:
       return "streaming stores (" + std::to_string(why.detail) +
-          " bytes written, past the cache: no copy program)";
-    case CopyEngine::kNotBuilt: s << "no machine code on this platform (x86-64 Linux only)"; break;
-    case CopyEngine::kNoAvx2: s << "the CPU has no AVX2"; break;
-    case CopyEngine::kAvx2Off: s << "KT_REGROUP_AVX2=0"; break;
-    case CopyEngine::kJitOff: s << "KT_REGROUP_JIT=0"; break;
+             " bytes written, past the cache: no copy program)";
+    case CopyEngine::kNotBuilt:
+      s << "no machine code on this platform (x86-64 Linux only)";
+      break;
+    case CopyEngine::kNoAvx2:
+      s << "the CPU has no AVX2";
+      break;
+    case CopyEngine::kAvx2Off:
+      s << "KT_REGROUP_AVX2=0";
+      break;
+    case CopyEngine::kJitOff:
+      s << "KT_REGROUP_JIT=0";
+      break;
     case CopyEngine::kTooManyTensors:
       s << why.detail << " tensors: the machine code holds " << MachineCode::kMaxTensors;
       break;
@@ -313,8 +333,10 @@ std::string cpu_copy_program() {
 // bytes (empty where it gives none): for the tests, which disassemble it.
 at::Tensor cpu_machine_code(c10::IntArrayRef flat) {
   TORCH_CHECK_VALUE(
-      flat.size() % 5 == 0, "kt_regroup._cpu_machine_code: copies must be [in_t, out_t, src, "
-      "dst, nbytes] * n, got ", flat.size(), " values");
+      flat.size() % 5 == 0,
+      "kt_regroup._cpu_machine_code: copies must be [in_t, out_t, src, "
+      "dst, nbytes] * n, got ",
+      flat.size(), " values");
   std::vector<RowCopy> copies;
   for (size_t k = 0; k < flat.size(); k += 5) {
     for (size_t i = 0; i < 5; ++i) {

@@ -34,15 +34,15 @@ enum class CopyEngine : uint8_t {
   kNone,  // no copy program has run yet
   kMachineCode,
   // the interpreter, because:
-  kNotBuilt,  // no machine code on this platform (x86-64 Linux only)
-  kNoAvx2,  // the CPU has no AVX2
-  kAvx2Off,  // KT_REGROUP_AVX2=0
-  kJitOff,  // KT_REGROUP_JIT=0
+  kNotBuilt,        // no machine code on this platform (x86-64 Linux only)
+  kNoAvx2,          // the CPU has no AVX2
+  kAvx2Off,         // KT_REGROUP_AVX2=0
+  kJitOff,          // KT_REGROUP_JIT=0
   kTooManyTensors,  // detail: the program's tensors
-  kFarOffsets,  // detail: the farthest byte of a row a copy reaches
-  kTooLarge,  // detail: the bytes of code it would take
-  kRefused,  // executable memory refused; detail: errno * 2 + (1 for mprotect, 0 for mmap)
-  kNotKept,  // a program not kept with a plan (a pass of the fused cast) is not compiled
+  kFarOffsets,      // detail: the farthest byte of a row a copy reaches
+  kTooLarge,        // detail: the bytes of code it would take
+  kRefused,         // executable memory refused; detail: errno * 2 + (1 for mprotect, 0 for mmap)
+  kNotKept,         // a program not kept with a plan (a pass of the fused cast) is not compiled
   // no program: rows past the cache are copied with streaming stores; detail: bytes
   kStreaming,
 };
@@ -62,8 +62,12 @@ class MachineCode {
   // Row pointers and strides (bytes) of the program's tensors, by index; rows [b0, b1),
   // b1 > b0.
   void run(
-      const char* const* in_base, const int64_t* in_stride, char* const* out_base,
-      const int64_t* out_stride, int64_t b0, int64_t b1) const;
+      const char* const* in_base,
+      const int64_t* in_stride,
+      char* const* out_base,
+      const int64_t* out_stride,
+      int64_t b0,
+      int64_t b1) const;
 
   // The code as it runs (what a disassembler reads).
   const uint8_t* bytes() const { return static_cast<const uint8_t*>(code_); }

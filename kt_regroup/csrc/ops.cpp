@@ -97,12 +97,11 @@ void check_tensor_list(
         t.dim() == 2, "kt_regroup.", op, ": ", name, "[", i,
         "] must be 2-D [batch, width], got shape ", shape_str(t.sizes()));
     TORCH_CHECK_VALUE(
-        t.device() == first.device(), "kt_regroup.", op, ": ", name, "[", i, "] is on ",
-        t.device(), " but ", name, "[", i0, "] is on ", first.device(),
-        "; all must be on one device");
+        t.device() == first.device(), "kt_regroup.", op, ": ", name, "[", i, "] is on ", t.device(),
+        " but ", name, "[", i0, "] is on ", first.device(), "; all must be on one device");
     TORCH_CHECK_TYPE(
-        !same_dtype || t.scalar_type() == first.scalar_type(), "kt_regroup.", op, ": ", name, "[", i,
-        "] is ", t.scalar_type(), " but ", name, "[", i0, "] is ", first.scalar_type(),
+        !same_dtype || t.scalar_type() == first.scalar_type(), "kt_regroup.", op, ": ", name, "[",
+        i, "] is ", t.scalar_type(), " but ", name, "[", i0, "] is ", first.scalar_type(),
         "; all must have one dtype (permute_multi_embedding_to with a dtype casts mixed inputs)");
     TORCH_CHECK_VALUE(
         !same_batch || t.size(0) == first.size(0), "kt_regroup.", op, ": ", name, "[", i,
@@ -130,20 +129,20 @@ void check_metadata(
   for (const auto& [name, t] : named) {
     check_dense(op, name, -1, *t);
     TORCH_CHECK_TYPE(
-        t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "kt_regroup.", op,
-        ": ", name, " must be int32 or int64, got ", t->scalar_type());
+        t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "kt_regroup.", op, ": ",
+        name, " must be int32 or int64, got ", t->scalar_type());
     // Metadata on meta next to real data has no values to check or read.
     TORCH_CHECK_VALUE(
         !t->is_meta() || !data.has_value() || data->is_meta(), "kt_regroup.", op, ": ", name,
         " is on meta but the data is on ", *data, "; metadata and data must be on real devices");
   }
   TORCH_CHECK_VALUE(
-      in_shapes.dim() == 1 && in_shapes.numel() == static_cast<int64_t>(n_in), "kt_regroup.",
-      op, ": in_shapes must have one entry per input tensor (", n_in, "), got shape ",
+      in_shapes.dim() == 1 && in_shapes.numel() == static_cast<int64_t>(n_in), "kt_regroup.", op,
+      ": in_shapes must have one entry per input tensor (", n_in, "), got shape ",
       shape_str(in_shapes.sizes()));
   TORCH_CHECK_VALUE(
-      out_shapes.dim() == 1 && out_shapes.numel() == static_cast<int64_t>(n_out), "kt_regroup.",
-      op, ": out_shapes must have one entry per output (", n_out, "), got shape ",
+      out_shapes.dim() == 1 && out_shapes.numel() == static_cast<int64_t>(n_out), "kt_regroup.", op,
+      ": out_shapes must have one entry per output (", n_out, "), got shape ",
       shape_str(out_shapes.sizes()));
 }
 
@@ -179,11 +178,11 @@ void check_declared(
     const std::vector<int64_t>& actual) {
   for (size_t i = 0; i < actual.size(); ++i) {
     TORCH_CHECK_VALUE(
-        actual[i] >= 0, "kt_regroup.", op, ": ", actual_name, "[", i, "] is negative (",
-        actual[i], ")");
+        actual[i] >= 0, "kt_regroup.", op, ": ", actual_name, "[", i, "] is negative (", actual[i],
+        ")");
     TORCH_CHECK_VALUE(
-        declared[i] == actual[i], "kt_regroup.", op, ": ", tensor_name, "[", i, "]=",
-        declared[i], " but ", actual_name, "[", i, "]=", actual[i]);
+        declared[i] == actual[i], "kt_regroup.", op, ": ", tensor_name, "[", i, "]=", declared[i],
+        " but ", actual_name, "[", i, "]=", actual[i]);
   }
 }
 
@@ -206,25 +205,24 @@ std::vector<Segment> check_rows(
   segments.reserve(flat.size() / kPermuteColumns);
   for (size_t r = 0; r < flat.size() / kPermuteColumns; ++r) {
     const int64_t* row = flat.data() + r * kPermuteColumns;
-    const int64_t in_t = row[0], out_t = row[1], in_off = row[2], out_off = row[3],
-                  length = row[4];
+    const int64_t in_t = row[0], out_t = row[1], in_off = row[2], out_off = row[3], length = row[4];
     TORCH_CHECK_INDEX(
         in_t >= 0 && in_t < n_in, "kt_regroup.", op, ": permutes[", r, "] in_tensor=", in_t,
         " is out of range [0, ", n_in, ")");
     TORCH_CHECK_INDEX(
-        out_t >= 0 && out_t < n_out, "kt_regroup.", op, ": permutes[", r, "] out_tensor=",
-        out_t, " is out of range [0, ", n_out, ")");
+        out_t >= 0 && out_t < n_out, "kt_regroup.", op, ": permutes[", r, "] out_tensor=", out_t,
+        " is out of range [0, ", n_out, ")");
     TORCH_CHECK_VALUE(
         length >= 0, "kt_regroup.", op, ": permutes[", r, "] has negative length ", length);
     // Differences, not sums: no int64 overflow for any value.
     TORCH_CHECK_INDEX(
-        in_off >= 0 && length <= in_widths[in_t] - in_off, "kt_regroup.", op, ": permutes[",
-        r, "] reads columns [", in_off, ", ", end_of(in_off, length), ") of input ", in_t,
+        in_off >= 0 && length <= in_widths[in_t] - in_off, "kt_regroup.", op, ": permutes[", r,
+        "] reads columns [", in_off, ", ", end_of(in_off, length), ") of input ", in_t,
         ", which has ", in_widths[in_t], " columns");
     TORCH_CHECK_INDEX(
-        out_off >= 0 && length <= out_widths[out_t] - out_off, "kt_regroup.", op,
-        ": permutes[", r, "] writes columns [", out_off, ", ", end_of(out_off, length),
-        ") of output ", out_t, ", which has ", out_widths[out_t], " columns");
+        out_off >= 0 && length <= out_widths[out_t] - out_off, "kt_regroup.", op, ": permutes[", r,
+        "] writes columns [", out_off, ", ", end_of(out_off, length), ") of output ", out_t,
+        ", which has ", out_widths[out_t], " columns");
     if (length == 0) continue;
     if (!segments.empty()) {
       Segment& last = segments.back();
@@ -318,8 +316,8 @@ std::shared_ptr<CheckedPlan> check_forward_values(
   const std::vector<int64_t> in_declared = read_values(in_shapes);
   for (size_t i = 0; i < in_widths.size(); ++i) {
     TORCH_CHECK_VALUE(
-        in_declared[i] == in_widths[i], "kt_regroup.", op, ": in_shapes[", i, "]=",
-        in_declared[i], " but pooled_embs[", i, "] has ", in_widths[i], " columns");
+        in_declared[i] == in_widths[i], "kt_regroup.", op, ": in_shapes[", i, "]=", in_declared[i],
+        " but pooled_embs[", i, "] has ", in_widths[i], " columns");
   }
   auto plan = std::make_shared<CheckedPlan>();
   plan->segments = check_rows(op, permutes, in_widths, out_widths);
@@ -340,8 +338,8 @@ std::shared_ptr<CheckedPlan> check_backward_values(
   const std::vector<int64_t> out_widths = read_values(out_shapes);
   for (size_t j = 0; j < grads.size(); ++j) {
     TORCH_CHECK_VALUE(
-        out_widths[j] >= 0, "kt_regroup.", op, ": out_shapes[", j, "] is negative (",
-        out_widths[j], ")");
+        out_widths[j] >= 0, "kt_regroup.", op, ": out_shapes[", j, "] is negative (", out_widths[j],
+        ")");
     check_grad_shape(op, grads, j, batch_size, out_widths[j]);
   }
   const std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
@@ -379,7 +377,8 @@ class PlanCache {
   // The plan of these metadata values and input widths; `out_widths` (the forward's
   // out_lengths), when given, must be the plan's too.
   std::shared_ptr<const CheckedPlan> find(
-      const at::Tensor* const (&meta)[3], c10::IntArrayRef in_widths,
+      const at::Tensor* const (&meta)[3],
+      c10::IntArrayRef in_widths,
       std::optional<c10::IntArrayRef> out_widths) const {
     for (const Entry& e : entries_) {
       if (e.plan && e.matches(meta, in_widths, out_widths)) return e.plan;
@@ -388,7 +387,8 @@ class PlanCache {
   }
 
   void add(
-      const at::Tensor* const (&meta)[3], c10::IntArrayRef in_widths,
+      const at::Tensor* const (&meta)[3],
+      c10::IntArrayRef in_widths,
       std::shared_ptr<const CheckedPlan> plan) {
     Entry& e = entries_[next_];
     next_ = (next_ + 1) % kEntries;
@@ -417,12 +417,13 @@ class PlanCache {
     std::shared_ptr<const CheckedPlan> plan;
 
     bool matches(
-        const at::Tensor* const (&meta)[3], c10::IntArrayRef widths,
+        const at::Tensor* const (&meta)[3],
+        c10::IntArrayRef widths,
         std::optional<c10::IntArrayRef> out_widths) const {
       if (!std::equal(in_widths.begin(), in_widths.end(), widths.begin(), widths.end()) ||
           (out_widths && !std::equal(
-                             plan->out_widths.begin(), plan->out_widths.end(),
-                             out_widths->begin(), out_widths->end()))) {
+                             plan->out_widths.begin(), plan->out_widths.end(), out_widths->begin(),
+                             out_widths->end()))) {
         return false;
       }
       for (size_t k = 0; k < 3; ++k) {
@@ -523,7 +524,8 @@ std::shared_ptr<const CheckedPlan> check_backward_plan(
   check_metadata(op, permutes, in_shapes, out_shapes, in_lengths.size(), grads.size(), device);
   const at::Tensor* const meta[3] = {&permutes, &in_shapes, &out_shapes};
   if (!PlanCache::cacheable(meta)) {
-    return check_backward_values(op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size);
+    return check_backward_values(
+        op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size);
   }
   PlanCache& cache = PlanCache::get();
   if (auto plan = cache.find(meta, in_lengths, std::nullopt)) {
@@ -582,10 +584,11 @@ PerTensor<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList ou
   for (size_t j = 0; j < outs.size(); ++j) {
     const at::Tensor& t = outs[j];
     TORCH_CHECK_VALUE(
-        t.size(0) <= 1 || t.size(1) == 0 || t.stride(0) >= t.size(1), "kt_regroup.", op,
-        ": outs[", j, "] has strides (", t.stride(0), ", ", t.stride(1), ") for shape ",
-        shape_str(t.sizes()), ", so more than one element of the written-to tensor refers to a "
-        "single memory location; pass a tensor whose elements have their own memory (e.g. clone() it)");
+        t.size(0) <= 1 || t.size(1) == 0 || t.stride(0) >= t.size(1), "kt_regroup.", op, ": outs[",
+        j, "] has strides (", t.stride(0), ", ", t.stride(1), ") for shape ", shape_str(t.sizes()),
+        ", so more than one element of the written-to tensor refers to a "
+        "single memory location; pass a tensor whose elements have their own memory (e.g. clone() "
+        "it)");
   }
   // Address ranges, whatever the Storage: two tensors of different Storage objects share
   // memory through torch.from_numpy of one array, dlpack or torch.frombuffer.
@@ -598,7 +601,8 @@ PerTensor<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList ou
   };
   auto overlaps = [&](const at::Tensor& a, const at::Tensor& b) {
     // Meta tensors (no data) never overlap anything.
-    if (a.numel() == 0 || b.numel() == 0 || !a.const_data_ptr() || !b.const_data_ptr()) return false;
+    if (a.numel() == 0 || b.numel() == 0 || !a.const_data_ptr() || !b.const_data_ptr())
+      return false;
     const auto [alo, ahi] = span(a);
     const auto [blo, bhi] = span(b);
     return alo < bhi && blo < ahi;
@@ -714,9 +718,7 @@ void check_has_inputs(const Names& keys) {
 // torchrec's _kt_regroup_arguments does (first occurrence -> index of the second; later
 // occurrences -> minus the index of the next one, the last -> minus the row count).
 Rows build_rows(
-    const Names& keys,
-    const std::vector<std::vector<int64_t>>& lengths,
-    const Names& groups) {
+    const Names& keys, const std::vector<std::vector<int64_t>>& lengths, const Names& groups) {
   check_has_inputs(keys);
   TORCH_CHECK_VALUE(
       keys.size() == lengths.size(), "kt_regroup: got keys for ", keys.size(),
@@ -735,7 +737,8 @@ Rows build_rows(
       const std::string& key = keys[t][k];
       const int64_t width = lengths[t][k];
       TORCH_CHECK_VALUE(
-          width >= 0, "kt_regroup: key ", quoted(key), " of input ", t, " has negative width ", width);
+          width >= 0, "kt_regroup: key ", quoted(key), " of input ", t, " has negative width ",
+          width);
       TORCH_CHECK_VALUE(
           width <= kMaxPlanValue, "kt_regroup: key ", quoted(key), " of input ", t, " has width ",
           width, ", more than an int32 plan holds (", kMaxPlanValue, ")");
@@ -745,9 +748,8 @@ Rows build_rows(
           " and input ", t, "; a key must name exactly one column block (ambiguous)");
       offset += width;  // both <= 2^31 - 1: no int64 overflow
       TORCH_CHECK_VALUE(
-          offset <= kMaxPlanValue, "kt_regroup: input ", t, " has ", offset,
-          " columns up to key ", quoted(key), " (width ", width, "), more than an int32 plan holds (",
-          kMaxPlanValue, ")");
+          offset <= kMaxPlanValue, "kt_regroup: input ", t, " has ", offset, " columns up to key ",
+          quoted(key), " (width ", width, "), more than an int32 plan holds (", kMaxPlanValue, ")");
     }
     out.in_lengths.push_back(offset);
   }
@@ -764,10 +766,11 @@ Rows build_rows(
       const auto it = where.find(key);
       if (it == where.end()) {
         std::ostringstream looked;
-        for (size_t t = 0; t < keys.size(); ++t) looked << (t ? "; " : "") << "input " << t << ": " << preview(keys[t]);
+        for (size_t t = 0; t < keys.size(); ++t)
+          looked << (t ? "; " : "") << "input " << t << ": " << preview(keys[t]);
         TORCH_CHECK_INDEX(
-            false, "kt_regroup: group ", g, " asks for key ", quoted(key), ", which is in none of the ",
-            keys.size(), " inputs (looked in: ", looked.str(), ")");
+            false, "kt_regroup: group ", g, " asks for key ", quoted(key),
+            ", which is in none of the ", keys.size(), " inputs (looked in: ", looked.str(), ")");
       }
       const Where& w = it->second;
       const int64_t idx = static_cast<int64_t>(out.rows.size());
@@ -832,8 +835,8 @@ std::vector<at::Tensor> regroup_keyed_tensor(
     const std::vector<std::vector<int64_t>>& lengths,
     const Names& groups) {
   TORCH_CHECK_VALUE(
-      pooled_embs.size() == keys.size(), "kt_regroup.regroup_keyed_tensor: ",
-      pooled_embs.size(), " tensors but keys for ", keys.size());
+      pooled_embs.size() == keys.size(), "kt_regroup.regroup_keyed_tensor: ", pooled_embs.size(),
+      " tensors but keys for ", keys.size());
   check_has_inputs(keys);
   static auto arguments_op =
       c10::Dispatcher::singleton()
@@ -841,12 +844,11 @@ std::vector<at::Tensor> regroup_keyed_tensor(
           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>>(
               const at::Tensor&, const Names&, const std::vector<std::vector<int64_t>>&,
               const Names&)>();
-  static auto permute_op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kt_regroup::permute_multi_embedding", "")
-          .typed<std::vector<at::Tensor>(
-              at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              c10::SymIntArrayRef)>();
+  static auto permute_op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("kt_regroup::permute_multi_embedding", "")
+                               .typed<std::vector<at::Tensor>(
+                                   at::TensorList, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, c10::SymIntArrayRef)>();
   const auto [permutes, in_shapes, out_shapes, out_lengths] =
       arguments_op.call(pooled_embs[0], keys, lengths, groups);
   return permute_op.call(
@@ -911,7 +913,8 @@ void reject_nested(const c10::OperatorHandle& op, c10::Stack* stack) {
       for (size_t i = 0; i < list.size(); ++i) {
         const c10::IValue e = list.get(i);
         if (e.isTensor()) {
-          kt_regroup::check_dense(name.c_str(), args[a].name().c_str(), static_cast<int64_t>(i), e.toTensor());
+          kt_regroup::check_dense(
+              name.c_str(), args[a].name().c_str(), static_cast<int64_t>(i), e.toTensor());
         }
       }
     }

@@ -42,12 +42,11 @@ std::vector<at::Tensor> new_outputs(
 }
 
 void copy_segments(
-    at::TensorList inputs,
-    const std::vector<Segment>& segments,
-    at::TensorList outs) {
+    at::TensorList inputs, const std::vector<Segment>& segments, at::TensorList outs) {
   for (const Segment& s : segments) {
-    outs[s.out_t].narrow(1, s.out_off, s.length).copy_(
-        inputs[s.in_t].narrow(1, s.in_off, s.length));
+    outs[s.out_t]
+        .narrow(1, s.out_off, s.length)
+        .copy_(inputs[s.in_t].narrow(1, s.in_off, s.length));
   }
 }
 
@@ -160,6 +159,5 @@ TORCH_LIBRARY_IMPL(kt_regroup, CompositeExplicitAutograd, m) {
   m.impl("permute_multi_embedding_to", TORCH_FN(kt_regroup::permute_multi_embedding_to));
   m.impl("permute_multi_embedding_into", TORCH_FN(kt_regroup::permute_multi_embedding_into));
   m.impl(
-      "permute_multi_embedding_backward",
-      TORCH_FN(kt_regroup::permute_multi_embedding_backward));
+      "permute_multi_embedding_backward", TORCH_FN(kt_regroup::permute_multi_embedding_backward));
 }

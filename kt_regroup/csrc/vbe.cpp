@@ -205,8 +205,8 @@ Backward check_vbe_backward(
   k.indices = held(indices);
   k.batch = check_indices(kBackward, k.indices, rows, device, batch);
   if (plan) {
-    k.segments = check_backward(
-        kBackward, k.grads, permutes, in_shapes, out_shapes, in_lengths, k.batch);
+    k.segments =
+        check_backward(kBackward, k.grads, permutes, in_shapes, out_shapes, in_lengths, k.batch);
   } else {
     check_without_data(
         kBackward, k.grads, permutes, in_shapes, out_shapes, in_lengths, k.batch,
@@ -262,9 +262,7 @@ struct InputSums {
 
 // Per input, its pieces (segments whose gradient is None are left out: they add zeros).
 std::vector<InputSums> input_sums(
-    const std::vector<Segment>& segments,
-    const TensorPtrs& grads,
-    c10::IntArrayRef in_lengths) {
+    const std::vector<Segment>& segments, const TensorPtrs& grads, c10::IntArrayRef in_lengths) {
   std::vector<InputSums> out(in_lengths.size());
   std::vector<std::vector<int32_t>> reads(in_lengths.size());
   for (const Segment& s : segments) {
@@ -352,8 +350,8 @@ at::Tensor vbe_backward_portable(
     if (sums[i].pieces.empty()) continue;
     // Each sample's sum over the segments that read a column, then the rows' sums.
     at::Tensor per_sample = has_index(k.indices, i)
-        ? at::zeros({k.batch, in_lengths[i]}, grads[i].options())
-        : grads[i];
+                                ? at::zeros({k.batch, in_lengths[i]}, grads[i].options())
+                                : grads[i];
     for (const Piece& p : sums[i].pieces) {
       const Segment& s = *p.segment;
       const at::Tensor src = k.grads[s.out_t]->narrow(1, s.out_off + p.skip, p.length);
@@ -477,7 +475,7 @@ std::vector<at::Tensor> vbe_cpu(
   at::parallel_for(0, f.batch, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (const Copy& c : copies) {
-        std::memcpy(c.dst + b * c.dst_stride, c.src + (*c.map)(b) * c.src_stride, c.bytes);
+        std::memcpy(c.dst + b * c.dst_stride, c.src + (*c.map)(b)*c.src_stride, c.bytes);
       }
     }
   });
@@ -577,7 +575,8 @@ void vbe_backward_cpu_typed(
       for (int64_t r = 0; r < rows; ++r) {
         std::fill(acc.begin(), acc.end(), acc_t(0));
         for (int64_t q = csr.start[r]; q < csr.start[r + 1]; ++q) {
-          add_sample<scalar_t, acc_t, true>(s, grad_outs, csr.samples[q], acc.data(), nullptr, sum.data());
+          add_sample<scalar_t, acc_t, true>(
+              s, grad_outs, csr.samples[q], acc.data(), nullptr, sum.data());
           for (const auto& [b, e] : s.shared) {
             for (int64_t c = b; c < e; ++c) acc[c] += sum[c];
           }
@@ -598,8 +597,8 @@ at::Tensor vbe_backward_cpu(
     c10::IntArrayRef in_lengths,
     c10::IntArrayRef in_rows,
     c10::ScalarType dtype) {
-  const bool native = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
-      dtype == at::kBFloat16;
+  const bool native =
+      dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
   if (!native) {
     return vbe_backward_portable(
         grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
@@ -648,13 +647,14 @@ at::Tensor call_vbe_backward(
     c10::SymIntArrayRef in_lengths,
     c10::SymIntArrayRef in_rows,
     c10::ScalarType dtype) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_vbe_backward", "")
-                       .typed<at::Tensor(
-                           const OptionalTensors&, const OptionalTensors&, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef,
-                           c10::SymIntArrayRef, c10::ScalarType)>();
-  return op.call(grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kt_regroup::permute_multi_embedding_vbe_backward", "")
+          .typed<at::Tensor(
+              const OptionalTensors&, const OptionalTensors&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::ScalarType)>();
+  return op.call(
+      grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
 }
 
 class VbeFunction : public torch::autograd::Function<VbeFunction> {
@@ -674,15 +674,15 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
     }
     ctx->saved_data["in_lengths"] = c10::IValue(c10::SymIntArrayRef(widths));
     ctx->saved_data["in_rows"] = c10::IValue(c10::SymIntArrayRef(rows));
-    ctx->saved_data["dtype"] =
-        pooled_embs.empty() ? at::kFloat : pooled_embs[0].scalar_type();
+    ctx->saved_data["dtype"] = pooled_embs.empty() ? at::kFloat : pooled_embs[0].scalar_type();
     // The indices with a version check (an index changed in place before the backward is
     // autograd's error, as for index_select); an inference tensor, which autograd cannot
     // save, as a copy of our own. The plan tensors are read-only metadata.
     // (apply runs this with grad mode off: whether a node is recorded is not known here)
     const bool records = !c10::InferenceMode::is_enabled() &&
-        std::any_of(pooled_embs.begin(), pooled_embs.end(),
-                    [](const at::Tensor& t) { return t.requires_grad(); });
+                         std::any_of(
+                             pooled_embs.begin(), pooled_embs.end(),
+                             [](const at::Tensor& t) { return t.requires_grad(); });
     variable_list saved;
     c10::List<bool> present;
     for (const std::optional<at::Tensor>& idx : indices) {
@@ -714,9 +714,8 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
       indices.push_back(present[i] ? std::optional<at::Tensor>(held[i]) : std::nullopt);
     }
     const at::Tensor flat = call_vbe_backward(
-        grads, indices, saved.at("permutes").toTensor(),
-        saved.at("in_shapes").toTensor(), saved.at("out_shapes").toTensor(), widths, rows,
-        saved.at("dtype").toScalarType());
+        grads, indices, saved.at("permutes").toTensor(), saved.at("in_shapes").toTensor(),
+        saved.at("out_shapes").toTensor(), widths, rows, saved.at("dtype").toScalarType());
     variable_list out;  // per-input views of the one flat gradient
     c10::SymInt offset = 0;
     for (size_t i = 0; i < rows.size(); ++i) {
