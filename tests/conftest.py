@@ -208,3 +208,58 @@ def clone_all(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | Non
 def dtype_ids(dtype: torch.dtype) -> str:
     """pytest id of a dtype parameter: ``float32`` rather than ``torch.float32``."""
     return str(dtype).replace("torch.", "")
+
+
+def _has_kernel(key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        "kt_regroup::permute_multi_embedding", key
+    )
+
+
+needs_cpu_kernel = pytest.mark.skipif(
+    not _has_kernel("CPU"), reason="the native CPU kernel is not built/loaded"
+)
+needs_cpp_autograd = pytest.mark.skipif(
+    not (_has_kernel("CPU") and _has_kernel("Autograd")),
+    reason="the C++ autograd kernel is not loaded",
+)
+
+
+def plan_args(layout: Layout, index_dtype: torch.dtype = torch.int32) -> tuple:
+    """The op's metadata for ``layout``: ``(permutes, in_shapes, out_shapes, out_lengths)``,
+    the index tensors in ``index_dtype``."""
+    from kt_regroup.plan import get_plan
+
+    plan = get_plan(*layout)
+    permutes, in_shapes, out_shapes = plan.tensors()
+    return (
+        permutes.to(index_dtype),
+        in_shapes.to(index_dtype),
+        out_shapes.to(index_dtype),
+        plan.out_lengths,
+    )
+
+
+def random_grads(out_lengths, batch: int, dtype: torch.dtype, seed: int, none_at=()) -> list:
+    """One seeded ``[batch, n]`` upstream gradient per output; ``None`` at ``none_at``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        None if j in none_at
+        else torch.randn(batch, n, generator=gen, dtype=torch.float64).to(dtype)
+        for j, n in enumerate(out_lengths)
+    ]
+
+
+def group_names(layout: Layout) -> list[str]:
+    """``g0``, ``g1``, ...: one name per group of ``layout``."""
+    return [f"g{i}" for i in range(len(layout.groups))]
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+

@@ -16,12 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_LAYOUT, assert_same_list, make_values
+from conftest import (
+    SMALL_LAYOUT,
+    assert_same_list,
+    make_values,
+    needs_cpp_autograd,
+    needs_cpu_kernel,
+    plan_args,
+    random_grads,
+)
 from reference import (
     permute_multi_embedding_backward_reference,
     permute_multi_embedding_reference,
 )
-from test_cpu_kernel import _grads, _metadata, needs_cpp_autograd
 
 import kt_regroup
 from kt_regroup.plan import get_plan
@@ -30,10 +37,6 @@ OP = torch.ops.kt_regroup.permute_multi_embedding
 MIB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
 
-needs_cpu_kernel = pytest.mark.skipif(
-    not torch._C._dispatch_has_kernel_for_dispatch_key(
-        "kt_regroup::permute_multi_embedding", "CPU"),
-    reason="the native CPU kernel is not built/loaded")
 needs_statm = pytest.mark.skipif(not os.path.exists("/proc/self/statm"),
                                  reason="RSS is read from /proc/self/statm (Linux)")
 
@@ -164,12 +167,12 @@ HUGE_PAGE = 2 << 20
 def _large_case(batch=8200):
     """SMALL_LAYOUT at a batch whose outputs and input gradients pass 4 MiB (fp32)."""
     values = make_values(SMALL_LAYOUT, batch, requires_grad=True, seed=3)
-    return values, _metadata(SMALL_LAYOUT, coalesced=True)
+    return values, plan_args(SMALL_LAYOUT)
 
 
 def _step(values, args, seed):
     outs = OP(values, *args)
-    grads = _grads(args[3], values[0].size(0), torch.float32, seed=seed)
+    grads = random_grads(args[3], values[0].size(0), torch.float32, seed=seed)
     torch.autograd.backward(outs, grads)
     plan = get_plan(*SMALL_LAYOUT)
     want = permute_multi_embedding_backward_reference(

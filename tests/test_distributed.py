@@ -11,12 +11,12 @@ torchrec's DistributedModelParallel. Each rank checks that
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 WORLD_SIZE = 2
 BATCH = 6
@@ -24,12 +24,6 @@ GROUPS = [["t0", "t2"], ["t1", "t0"]]  # t0 used twice, t3 unused
 GROUP_NAMES = ["user", "item"]
 DIMS = {"t0": 8, "t1": 4, "t2": 12, "t3": 4}
 ROWS = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build_model():
@@ -167,4 +161,4 @@ def _worker(rank: int, port: int) -> None:
     not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available"
 )
 def test_ktregroupasdict_in_distributed_model_parallel():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD_SIZE, join=True)

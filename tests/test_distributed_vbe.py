@@ -16,12 +16,12 @@ same weights:
 
 import contextlib
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 from torch.utils._python_dispatch import TorchDispatchMode
 
 WORLD_SIZE = 2
@@ -29,12 +29,6 @@ BATCH = 6
 FEATURES = {"user": (4, 3), "hist": (8, 2), "item": (16, 5), "ctx": (12, 1)}  # dim, rows
 GROUPS = [["hist", "user"], ["item", "hist", "ctx"]]  # hist twice; every key used
 ROWS = 10  # per table
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kjt(rank: int, vary: bool = True):
@@ -311,4 +305,4 @@ def _check(rank: int) -> None:
     not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available"
 )
 def test_patched_sharded_vbe_ebc_equals_unsharded_torchrec():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD_SIZE, join=True)
