@@ -263,3 +263,20 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
+def wiring_cells(layouts: Sequence[str], dtypes: Sequence[torch.dtype] = DTYPES) -> list:
+    """A few ``(name, dtype, batch, noncontiguous)`` cells for the layers above the kernel
+    (ops, functional, module, patch), which check what they hand the kernel, not the
+    kernel itself: every layout and every dtype once, and every batch (``BATCHES``) with
+    contiguous and strided inputs. The kernel's own tests (test_cpu_kernel) run the full
+    layout x dtype x batch x contiguity grids."""
+    n = max(len(layouts), len(dtypes), 2 * len(BATCHES))
+    cells = []
+    for i in range(n):
+        name, dtype = layouts[i % len(layouts)], dtypes[i % len(dtypes)]
+        batch, noncontiguous = BATCHES[i % len(BATCHES)], bool((i // len(BATCHES)) % 2)
+        cells.append(pytest.param(
+            name, dtype, batch, noncontiguous,
+            id=f"{name}-{dtype_ids(dtype)}-b{batch}-{'strided' if noncontiguous else 'contig'}",
+        ))
+    return cells

@@ -3,7 +3,6 @@
 import pytest
 import torch
 from conftest import (
-    BATCHES,
     DTYPES,
     SEEDS,
     SMALL_LAYOUT,
@@ -15,6 +14,7 @@ from conftest import (
     keyed_tensors,
     make_values,
     random_layout,
+    wiring_cells,
 )
 from torchrec.sparse.jagged_tensor import KeyedTensor, _regroup_keyed_tensors
 
@@ -26,10 +26,7 @@ LAYOUTS["wide"] = random_layout(42, n_inputs=6, keys_per_input=(2, 8), n_groups=
 
 
 
-@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contig", "strided"])
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name,dtype,batch,noncontiguous", wiring_cells(list(LAYOUTS)))
 def test_regroup_matches_torchrec(name, dtype, batch, noncontiguous):
     layout = LAYOUTS[name]
     values = make_values(layout, batch, dtype, noncontiguous, seed=11)

@@ -9,8 +9,6 @@ import threading
 import pytest
 import torch
 from conftest import (
-    BATCHES,
-    DTYPES,
     FBGEMM_DTYPES,
     SEEDS,
     SMALL_LAYOUT,
@@ -18,12 +16,13 @@ from conftest import (
     assert_no_alias,
     assert_same_list,
     clone_all,
-    dtype_ids,
     expected_regroup,
+    group_names,
     keyed_tensors,
     make_values,
     needs_fbgemm,
     random_layout,
+    wiring_cells,
 )
 from torchrec.modules.regroup import KTRegroupAsDict as TorchrecKTRegroupAsDict
 from torchrec.sparse.jagged_tensor import KeyedTensor
@@ -37,12 +36,8 @@ LAYOUTS["small"] = SMALL_LAYOUT
 
 
 
-def _names(layout):
-    return [f"g{i}" for i in range(len(layout.groups))]
-
-
 def _check_dict(out: dict[str, torch.Tensor], values, layout, dtype=None):
-    names = _names(layout)
+    names = group_names(layout)
     assert list(out) == names
     expected = expected_regroup(values, layout)
     if dtype is not None:
@@ -58,15 +53,12 @@ REORDERED = Layout([["b", "a"], ["e", "c", "d"]], [[7, 3], [127, 1, 3]], SMALL_L
 # --- parity -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contig", "strided"])
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name,dtype,batch,noncontiguous", wiring_cells(list(LAYOUTS)))
 def test_module_parity(name, dtype, batch, noncontiguous):
     layout = LAYOUTS[name]
     values = make_values(layout, batch, dtype, noncontiguous, seed=5)
     before = clone_all(values)
-    m = KTRegroupAsDict(layout.groups, _names(layout))
+    m = KTRegroupAsDict(layout.groups, group_names(layout))
     for _ in range(2):  # first call builds the plan, second uses the cache
         out = m(keyed_tensors(layout, values))
         _check_dict(out, values, layout)
@@ -75,14 +67,12 @@ def test_module_parity(name, dtype, batch, noncontiguous):
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("dtype", FBGEMM_DTYPES, ids=dtype_ids)
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_module_matches_torchrec_module(name, dtype, batch):
+@pytest.mark.parametrize("name,dtype,batch,noncontiguous", wiring_cells(list(LAYOUTS), FBGEMM_DTYPES))
+def test_module_matches_torchrec_module(name, dtype, batch, noncontiguous):
     layout = LAYOUTS[name]
-    values = make_values(layout, batch, dtype, seed=6)
-    ours = KTRegroupAsDict(layout.groups, _names(layout))
-    theirs = TorchrecKTRegroupAsDict(layout.groups, _names(layout))
+    values = make_values(layout, batch, dtype, noncontiguous, seed=6)
+    ours = KTRegroupAsDict(layout.groups, group_names(layout))
+    theirs = TorchrecKTRegroupAsDict(layout.groups, group_names(layout))
     for _ in range(2):
         a = ours(keyed_tensors(layout, values))
         b = theirs(keyed_tensors(layout, values))
@@ -95,8 +85,8 @@ def test_module_gradients_match_torchrec_module_on_used_keys_and_are_zero_elsewh
     base = make_values(layout, 4)
     xs = [v.clone().requires_grad_() for v in base]
     ys = [v.clone().requires_grad_() for v in base]
-    a = KTRegroupAsDict(layout.groups, _names(layout))(keyed_tensors(layout, xs))
-    b = TorchrecKTRegroupAsDict(layout.groups, _names(layout))(keyed_tensors(layout, ys))
+    a = KTRegroupAsDict(layout.groups, group_names(layout))(keyed_tensors(layout, xs))
+    b = TorchrecKTRegroupAsDict(layout.groups, group_names(layout))(keyed_tensors(layout, ys))
     grads = {k: torch.randn_like(v) for k, v in a.items()}
     torch.autograd.backward([a[k] for k in grads], [grads[k] for k in grads])
     torch.autograd.backward([b[k] for k in grads], [grads[k] for k in grads])
@@ -107,14 +97,14 @@ def test_module_gradients_match_torchrec_module_on_used_keys_and_are_zero_elsewh
 
 
 def test_state_dict_is_empty_and_buffers_non_persistent():
-    m = KTRegroupAsDict(SMALL_LAYOUT.groups, _names(SMALL_LAYOUT))
+    m = KTRegroupAsDict(SMALL_LAYOUT.groups, group_names(SMALL_LAYOUT))
     assert m.state_dict() == {}
     m(keyed_tensors(SMALL_LAYOUT, make_values(SMALL_LAYOUT, 2)))
     assert m.state_dict() == {}
     assert len(list(m.buffers())) == 3  # the cached plan is there, just not saved
     assert list(m.parameters()) == []
     # Loading an (empty) checkpoint into a fresh module works strictly.
-    KTRegroupAsDict(SMALL_LAYOUT.groups, _names(SMALL_LAYOUT)).load_state_dict(
+    KTRegroupAsDict(SMALL_LAYOUT.groups, group_names(SMALL_LAYOUT)).load_state_dict(
         m.state_dict(), strict=True
     )
 
@@ -126,8 +116,8 @@ def test_state_dict_is_empty_and_buffers_non_persistent():
 def test_emb_dtype_torchrec_datatype_matches_torchrec():
     layout = SMALL_LAYOUT
     values = make_values(layout, 3)
-    ours = KTRegroupAsDict(layout.groups, _names(layout), emb_dtype=DataType.FP16)
-    theirs = TorchrecKTRegroupAsDict(layout.groups, _names(layout), emb_dtype=DataType.FP16)
+    ours = KTRegroupAsDict(layout.groups, group_names(layout), emb_dtype=DataType.FP16)
+    theirs = TorchrecKTRegroupAsDict(layout.groups, group_names(layout), emb_dtype=DataType.FP16)
     a = ours(keyed_tensors(layout, values))
     b = theirs(keyed_tensors(layout, values))
     assert all(t.dtype == torch.float16 for t in a.values())
@@ -140,7 +130,7 @@ def test_emb_dtype(emb_dtype):
     layout = LAYOUTS["seed1"]
     values = make_values(layout, 3)
     want = {DataType.FP32: torch.float32}.get(emb_dtype, emb_dtype)
-    out = KTRegroupAsDict(layout.groups, _names(layout), emb_dtype=emb_dtype)(
+    out = KTRegroupAsDict(layout.groups, group_names(layout), emb_dtype=emb_dtype)(
         keyed_tensors(layout, values)
     )
     assert all(t.dtype == want for t in out.values())
@@ -167,7 +157,7 @@ def test_key_dim_zero_falls_back_and_matches_torchrec():
 
 def test_clear_cache_rebuilds():
     layout = SMALL_LAYOUT
-    m = KTRegroupAsDict(layout.groups, _names(layout))
+    m = KTRegroupAsDict(layout.groups, group_names(layout))
     assert not m._is_inited  # torchrec's attribute name, read by its tools
     v1 = make_values(layout, 2)
     _check_dict(m(keyed_tensors(layout, v1)), v1, layout)
@@ -181,7 +171,7 @@ def test_clear_cache_rebuilds():
 
 def test_set_device_moves_the_cached_plan():
     layout = SMALL_LAYOUT
-    m = KTRegroupAsDict(layout.groups, _names(layout))
+    m = KTRegroupAsDict(layout.groups, group_names(layout))
     m(keyed_tensors(layout, make_values(layout, 2)))
     m.set_device("meta")
     assert {b.device.type for b in m.buffers()} == {"meta"}
@@ -202,7 +192,7 @@ def test_set_device_moves_the_cached_plan():
 
 def test_multi_device_moves_the_plan_to_the_inputs():
     layout = SMALL_LAYOUT
-    m = KTRegroupAsDict(layout.groups, _names(layout), multi_device=True)
+    m = KTRegroupAsDict(layout.groups, group_names(layout), multi_device=True)
     values = make_values(layout, 2)
     _check_dict(m(keyed_tensors(layout, values)), values, layout)
     meta_values = [torch.empty(6, w, device="meta") for w in layout.in_widths]
@@ -216,7 +206,7 @@ def test_multi_device_moves_the_plan_to_the_inputs():
 
 @pytest.mark.parametrize("new_layout", [WIDER, REORDERED], ids=["widths", "key-order"])
 def test_stale_layout_is_rebuilt_in_eager(new_layout, caplog):
-    m = KTRegroupAsDict(SMALL_LAYOUT.groups, _names(SMALL_LAYOUT))
+    m = KTRegroupAsDict(SMALL_LAYOUT.groups, group_names(SMALL_LAYOUT))
     v1 = make_values(SMALL_LAYOUT, 3)
     _check_dict(m(keyed_tensors(SMALL_LAYOUT, v1)), v1, SMALL_LAYOUT)
     with caplog.at_level(logging.WARNING, logger="kt_regroup.module"):
@@ -264,7 +254,7 @@ def _assert_graph_calls_regroup(gm):
 @pytest.mark.parametrize("tracer", _tracers())
 def test_fx_trace_computes_the_regroup(tracer, warm):
     layout = SMALL_LAYOUT
-    m = KTRegroupAsDict(layout.groups, _names(layout))
+    m = KTRegroupAsDict(layout.groups, group_names(layout))
     v0 = make_values(layout, 2, seed=1)
     if warm:
         m(keyed_tensors(layout, v0))
@@ -282,7 +272,7 @@ def test_fx_trace_computes_the_regroup(tracer, warm):
 @pytest.mark.parametrize("warm", [False, True], ids=["before-first-forward", "after-first-forward"])
 def test_jit_script_of_traced_module(warm):
     layout = SMALL_LAYOUT
-    m = KTRegroupAsDict(layout.groups, _names(layout), emb_dtype=torch.float64 if warm else None)
+    m = KTRegroupAsDict(layout.groups, group_names(layout), emb_dtype=torch.float64 if warm else None)
     if warm:
         m(keyed_tensors(layout, make_values(layout, 2)))
     scripted = torch.jit.script(torch.fx.symbolic_trace(m))
@@ -294,7 +284,7 @@ def test_jit_script_of_traced_module(warm):
 
 def test_jit_script_of_module_itself():
     layout = SMALL_LAYOUT
-    scripted = torch.jit.script(KTRegroupAsDict(layout.groups, _names(layout)))
+    scripted = torch.jit.script(KTRegroupAsDict(layout.groups, group_names(layout)))
     for lay in (layout, WIDER, REORDERED):
         values = make_values(lay, 3)
         _check_dict(scripted(keyed_tensors(lay, values)), values, lay)
@@ -317,7 +307,7 @@ class _Model(torch.nn.Module):
     def __init__(self, layout, regroup_cls=KTRegroupAsDict):
         super().__init__()
         self.layout = layout
-        self.regroup = regroup_cls(layout.groups, _names(layout))
+        self.regroup = regroup_cls(layout.groups, group_names(layout))
         self.proj = torch.nn.ModuleList(
             [torch.nn.Linear(_width(layout, grp), 4) for grp in layout.groups]
         )
@@ -370,7 +360,7 @@ def test_torch_compile_fullgraph_forward_backward_matches_eager():
 def test_torch_compile_module_stale_layout_recompiles_right():
     torch._dynamo.reset()
     layout = SMALL_LAYOUT
-    m = KTRegroupAsDict(layout.groups, _names(layout))
+    m = KTRegroupAsDict(layout.groups, group_names(layout))
     compiled = torch.compile(m, fullgraph=True)
     for lay in (layout, WIDER, layout):
         values = make_values(lay, 3)
@@ -383,7 +373,7 @@ def test_torch_compile_cold_module_never_recompiles(allow_views):
     # state (which dynamo guards) stays as it was, so later calls do not recompile.
     torch._dynamo.reset()
     layout = SMALL_LAYOUT
-    m = KTRegroupAsDict(layout.groups, _names(layout), allow_views=allow_views)
+    m = KTRegroupAsDict(layout.groups, group_names(layout), allow_views=allow_views)
 
     def f(kts):
         return m(kts)
@@ -434,7 +424,7 @@ def test_torch_export_with_dynamic_batch(warm):
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_module_under_no_grad_and_inference_mode(mode):
     layout = LAYOUTS["seed2"]
-    m = KTRegroupAsDict(layout.groups, _names(layout))
+    m = KTRegroupAsDict(layout.groups, group_names(layout))
     ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
     for batch in (3, 0):
         values = make_values(layout, batch)
@@ -447,7 +437,7 @@ def test_module_under_no_grad_and_inference_mode(mode):
     sum((t * (i + 1)).sum() for i, t in enumerate(out.values())).backward()
     # same gradients as a module that never saw inference mode
     ys = [v.detach().clone().requires_grad_() for v in xs]
-    fresh = KTRegroupAsDict(layout.groups, _names(layout))(keyed_tensors(layout, ys))
+    fresh = KTRegroupAsDict(layout.groups, group_names(layout))(keyed_tensors(layout, ys))
     sum((t * (i + 1)).sum() for i, t in enumerate(fresh.values())).backward()
     for x, y in zip(xs, ys):
         torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)
@@ -456,7 +446,7 @@ def test_module_under_no_grad_and_inference_mode(mode):
 def test_module_backward_with_empty_batch():
     layout = SMALL_LAYOUT
     xs = make_values(layout, 0, requires_grad=True)
-    out = KTRegroupAsDict(layout.groups, _names(layout))(keyed_tensors(layout, xs))
+    out = KTRegroupAsDict(layout.groups, group_names(layout))(keyed_tensors(layout, xs))
     sum(t.sum() for t in out.values()).backward()
     assert [tuple(x.grad.shape) for x in xs] == [(0, 10), (0, 131)]
 
@@ -550,7 +540,7 @@ def test_allow_views_with_an_empty_group_and_only_view_groups():
 def _modes(layout):
     """The warm module in every mode it runs in: eager, fx, TorchScript, torch.compile."""
     def make():
-        m = KTRegroupAsDict(layout.groups, _names(layout))
+        m = KTRegroupAsDict(layout.groups, group_names(layout))
         m(keyed_tensors(layout, make_values(layout, 2)))  # the plan of `layout`
         return m
 

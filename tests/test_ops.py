@@ -11,7 +11,6 @@ import gc
 import pytest
 import torch
 from conftest import (
-    BATCHES,
     DTYPES,
     FBGEMM_DTYPES,
     SEEDS,
@@ -26,6 +25,7 @@ from conftest import (
     make_values,
     needs_fbgemm,
     random_layout,
+    wiring_cells,
 )
 from reference import (
     permute_multi_embedding_backward_reference,
@@ -50,10 +50,7 @@ def _args(kind, values, layout):
 # --- forward parity ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contig", "strided"])
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name,dtype,batch,noncontiguous", wiring_cells(list(LAYOUTS)))
 def test_permute_multi_embedding_parity(name, dtype, batch, noncontiguous):
     layout = LAYOUTS[name]
     values = make_values(layout, batch, dtype, noncontiguous, seed=batch)
@@ -69,10 +66,7 @@ def test_permute_multi_embedding_parity(name, dtype, batch, noncontiguous):
     assert_same_list(values, before)  # inputs never modified
 
 
-@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contig", "strided"])
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name,dtype,batch,noncontiguous", wiring_cells(list(LAYOUTS)))
 def test_regroup_keyed_tensor_parity(name, dtype, batch, noncontiguous):
     layout = LAYOUTS[name]
     values = make_values(layout, batch, dtype, noncontiguous, seed=batch + 1)
@@ -88,10 +82,7 @@ def test_regroup_keyed_tensor_parity(name, dtype, batch, noncontiguous):
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contig", "strided"])
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("dtype", FBGEMM_DTYPES, ids=dtype_ids)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name,dtype,batch,noncontiguous", wiring_cells(list(LAYOUTS), FBGEMM_DTYPES))
 def test_permute_multi_embedding_matches_fbgemm(name, dtype, batch, noncontiguous):
     layout = LAYOUTS[name]
     values = make_values(layout, batch, dtype, noncontiguous, seed=7)

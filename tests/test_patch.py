@@ -225,12 +225,17 @@ def test_patch_and_unpatch_log_what_they_change(caplog):
 # --- eager: bit-equal to torchrec, computed by kt_regroup -----------------------------------
 
 
-@pytest.mark.parametrize("batch", [1, 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(
-    "entry,layout_name",
-    [(e, n) for e in ENTRY_POINTS for n in LAYOUTS if e not in ALL_ONCE_ONLY or n == "all-once"],
-)
+def _eager_cells() -> list:
+    """Every entry point on every layout it takes, each with one of the (dtype, batch)
+    pairs in turn: the patch's wiring, not the kernel (test_cpu_kernel has the grids)."""
+    pairs = [(d, b) for b in (1, 5) for d in (torch.float32, torch.float16, torch.bfloat16)]
+    cells = [(e, n) for e in ENTRY_POINTS for n in LAYOUTS
+             if e not in ALL_ONCE_ONLY or n == "all-once"]
+    return [pytest.param(e, n, *pairs[i % len(pairs)], id=f"{e}-{n}-{pairs[i % len(pairs)][0]}"
+                         f"-b{pairs[i % len(pairs)][1]}") for i, (e, n) in enumerate(cells)]
+
+
+@pytest.mark.parametrize("entry,layout_name,dtype,batch", _eager_cells())
 def test_eager_equals_torchrec_and_runs_on_kt_regroup(entry, layout_name, dtype, batch):
     layout = LAYOUTS[layout_name]
     values = make_values(layout, batch, dtype=dtype, seed=batch)
