@@ -1,15 +1,18 @@
 # Two entry points; each one sets up ./.venv first (see scripts/setup_env.sh).
 #   make bench   - the regroup benchmark (training step, serving, op alone), tables on stdout
-#   make test    - the test suite
+#   make test    - the test suite, on every core (pytest-xdist; PYTEST_XDIST= runs it in one process)
 #   make lint    - ruff check (configured in pyproject.toml) and clang-format --dry-run
-#                  of kt_regroup/csrc and tests/*.cpp (.clang-format)
-#   make format  - clang-format the C++ and CUDA sources in place
+#                  of the C++ sources (.clang-format)
+#   make format  - clang-format the C++ sources in place
 #   make asan    - the op library built with AddressSanitizer (build/asan), fuzz cases run on it
 #   make test-torch211 - the suite against torch 2.11 in .venv-torch211 (not in CI: a ~3 GB
 #                  venv, 15-25 min; scripts/check_torch211.sh)
 .PHONY: bench test setup asan lint format test-torch211
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
+# Tests that share a module-scoped fixture or build (xdist_group in tests/conftest.py) stay
+# on one worker.
+PYTEST_XDIST ?= -n auto --dist loadgroup
 ASAN_CASES ?= 3000
 
 setup:
@@ -19,7 +22,7 @@ bench: setup
 	.venv/bin/python -m benchmarks.regroup $(BENCH_ARGS)
 
 test: setup
-	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 CPP_SOURCES = $(wildcard kt_regroup/csrc/*.cpp kt_regroup/csrc/*.h)
 
