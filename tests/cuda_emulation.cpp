@@ -1,7 +1,7 @@
 // Runs the device code of kt_regroup/csrc/cuda (kernels.cuh) on the CPU: each thread
 // block as kThreads std::threads with a std::barrier for __syncthreads, blocks one after
 // another, so __shared__ arrays can be statics. The launches are planned, and the kernel
-// per dtype chosen, by the same host code as in permute.cu (forward_launches /
+// per dtype chosen, by the same host code as in permute.cu (forward_host, forward_launches /
 // backward_launches, with_forward_kernel / with_backward_kernel, vbe_forward_launches /
 // vbe_backward_launches); what this file adds is
 // the emulation and the outputs' allocation, which (unlike permute.cu) fills them with a
@@ -114,33 +114,13 @@ at::Tensor marked(int64_t batch, int64_t width, c10::ScalarType dtype) {
   return at::full({batch, width}, -77, options);
 }
 
-// permute.cu's launch_forward() without its CUDA runtime calls: writes `outs`.
+// permute.cu's launch_forward(), emulated: the same host code (forward_host).
 void into(
     const std::vector<at::Tensor>& pooled_embs,
     const at::Tensor& plan,
     const std::vector<at::Tensor>& outs) {
-  const at::Tensor& first = pooled_embs[0];
-  const c10::ScalarType out_dtype = outs.empty() ? first.scalar_type() : outs[0].scalar_type();
-  const int64_t batch = first.size(0);
-  if (batch == 0 || outs.empty()) return;
-  bool same = true, floats = is_float(out_dtype);
-  for (const at::Tensor& t : pooled_embs) {
-    same &= t.scalar_type() == out_dtype;
-    floats &= is_float(t.scalar_type());
-  }
-  const bool fused_cast = !same && floats;
-  std::vector<at::Tensor> inputs;
-  for (const at::Tensor& t : pooled_embs) {
-    at::Tensor x = t.resolve_conj().resolve_neg();
-    inputs.push_back(fused_cast || x.scalar_type() == out_dtype ? x : x.to(out_dtype));
-  }
-  TensorPtrs in_ptrs, out_ptrs;
-  for (const at::Tensor& t : inputs) in_ptrs.push_back(&t);
-  for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
-  const int64_t es = outs[0].element_size();
-  forward_launches(plan, in_ptrs, out_ptrs, batch, es, [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
-    with_forward_kernel(fused_cast, out_dtype, es, [&](auto kernel) { emulate(kernel, blocks, L, r, w); });
-  });
+  if (outs.empty()) return;
+  forward_host(pooled_embs, outs, outs[0].scalar_type(), [&](c10::Device) { return plan; }, emulated);
 }
 
 // permute.cu's forward() without its argument checks and CUDA runtime calls.

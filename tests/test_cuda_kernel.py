@@ -356,6 +356,23 @@ def test_into_writes_every_column_of_the_outputs_and_nothing_else(kernel):
         assert (b[:, :3] == -7).all() and (b[:, -4:] == -7).all()
 
 
+def test_into_copy_on_write_outputs_leave_their_sources_alone(kernel):
+    """Outputs made by ``torch._lazy_clone`` share their source's storage until written:
+    the kernel writes through the outputs' mutable pointers, which copies them first."""
+    p, i, o, n = _plan((KEYS, LENGTHS, GROUPS))
+    xs = [_values(6, sum(w), torch.float32, seed=k) for k, w in enumerate(LENGTHS)]
+    device = "cuda" if isinstance(kernel, Cuda) else "cpu"
+    sources = [torch.full((6, w), -5.0, device=device) for w in n]
+    outs = [torch._lazy_clone(s) for s in sources]
+    if isinstance(kernel, Cuda):
+        ops.permute_multi_embedding_into([x.cuda() for x in xs], p.cuda(), i.cuda(), o.cuda(), outs)
+    else:
+        kernel.into(xs, p, i, o, outs)
+    for s in sources:
+        assert torch.equal(s.cpu(), torch.full(s.shape, -5.0))
+    _assert_equal([t.cpu() for t in outs], permute_multi_embedding_reference(xs, p, i, o, n))
+
+
 # --- the variable-batch ops (permute_multi_embedding_vbe{,_backward}) -----------------------
 
 

@@ -749,8 +749,11 @@ static_assert(
 
 // ---- host side ------------------------------------------------------------------------
 
+// `write`: the kernel writes these tensors, so their pointers are mutable_data_ptr()'s
+// (a copy-on-write tensor, torch._lazy_clone's, gets storage of its own first; its
+// const pointer is its source's).
 template <int N>
-Tensors<N> table(const TensorPtrs& tensors, size_t lo, size_t count) {
+Tensors<N> table(const TensorPtrs& tensors, size_t lo, size_t count, bool write = false) {
   Tensors<N> t{};
   t.count = static_cast<int32_t>(count);
   t.lo = static_cast<int64_t>(lo);
@@ -760,7 +763,7 @@ Tensors<N> table(const TensorPtrs& tensors, size_t lo, size_t count) {
       t.dtype[k] = kOther;
       continue;
     }
-    t.ptr[k] = static_cast<const char*>(x->const_data_ptr());
+    t.ptr[k] = static_cast<const char*>(write ? x->mutable_data_ptr() : x->const_data_ptr());
     t.row_stride[k] = x->stride(0);
     t.col_stride[k] = x->stride(1);
     t.width[k] = x->size(1);
@@ -829,7 +832,7 @@ void forward_launches(
     int64_t cols = 0;
     for (size_t k = 0; k < w_n; ++k) cols += outs[w_lo + k]->size(1);
     if (cols == 0) continue;
-    const auto w = table<kMaxTensors>(outs, w_lo, w_n);
+    const auto w = table<kMaxTensors>(outs, w_lo, w_n, /*write=*/true);
     for (size_t r_lo = 0; r_lo < inputs.size(); r_lo += kMaxTensors) {
       const size_t r_n = std::min<size_t>(kMaxTensors, inputs.size() - r_lo);
       const Launch L = plan_launch(plan, batch, int64_t(inputs.size()), cols, es, r_lo == 0);
@@ -854,7 +857,7 @@ void backward_launches(
     if (cols == 0) continue;
     const Launch L = plan_launch(plan, batch, int64_t(grads.size()), cols, es, true);
     const int64_t blocks = grid_blocks(L);
-    if (blocks > 0) launch(L, g, table<kMaxTensors>(outs, w_lo, w_n), blocks);
+    if (blocks > 0) launch(L, g, table<kMaxTensors>(outs, w_lo, w_n, /*write=*/true), blocks);
   }
 }
 
@@ -878,6 +881,41 @@ void with_forward_kernel(bool fused_cast, c10::ScalarType out_dtype, int64_t es,
     case 16: return run(&permute_copy_kernel<16>);
     default: TORCH_CHECK(false, "kt_regroup: no CUDA copy of ", es, "-byte elements");
   }
+}
+
+// The forward's host code, for permute.cu and tests/cuda_emulation.cpp alike: writes every
+// column of `outs` (fresh, or the caller's for _into) through run(kernel, blocks, L,
+// reads, writes), one call per launch; `plan_on(device)` gives the plan on the data's
+// device, asked for only where something is launched. Inputs of another dtype than the
+// outputs' are cast inside the copy where both are float (the fused cast), else first.
+template <typename PlanOn, typename Run>
+void forward_host(
+    at::TensorList pooled_embs, at::TensorList outs, c10::ScalarType out_dtype, PlanOn plan_on,
+    Run run) {
+  const at::Tensor& first = pooled_embs[0];
+  const int64_t batch = first.size(0);
+  int64_t total_cols = 0;
+  for (const at::Tensor& t : outs) total_cols += t.size(1);
+  if (batch == 0 || total_cols == 0) return;
+  const at::Tensor plan = plan_on(first.device());
+  bool same = true, floats = is_float(out_dtype);
+  for (const at::Tensor& t : pooled_embs) {
+    same &= t.scalar_type() == out_dtype;
+    floats &= is_float(t.scalar_type());
+  }
+  const bool fused_cast = !same && floats;
+  std::vector<at::Tensor> inputs;
+  for (const at::Tensor& t : pooled_embs) {
+    at::Tensor x = t.resolve_conj().resolve_neg();
+    inputs.push_back(fused_cast || x.scalar_type() == out_dtype ? x : x.to(out_dtype));
+  }
+  TensorPtrs in_ptrs, out_ptrs;
+  for (const at::Tensor& t : inputs) in_ptrs.push_back(&t);
+  for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
+  const int64_t es = outs[0].element_size();
+  forward_launches(plan, in_ptrs, out_ptrs, batch, es, [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
+    with_forward_kernel(fused_cast, out_dtype, es, [&](auto kernel) { run(kernel, blocks, L, r, w); });
+  });
 }
 
 // The same for a backward from float gradients of `grad_dtype` into `dtype`.

@@ -54,43 +54,19 @@ void check_forward_call(
 }
 
 // The forward's launches into `outs` (fresh, or the caller's for _into), every column
-// written: copies, and zeros where no row writes.
+// written: copies, and zeros where no row writes (forward_host plans them).
 void launch_forward(
     at::TensorList pooled_embs,
     const at::Tensor& permutes,
     at::TensorList outs,
     c10::ScalarType out_dtype) {
-  const at::Tensor& first = pooled_embs[0];
-  const int64_t batch = first.size(0);
-  int64_t total_cols = 0;
-  for (const at::Tensor& t : outs) total_cols += t.size(1);
-  if (batch == 0 || total_cols == 0) return;
-  const at::Tensor plan = plan_on(permutes, first.device());
-
-  bool same = true, floats = is_float(out_dtype);
-  for (const at::Tensor& t : pooled_embs) {
-    same &= t.scalar_type() == out_dtype;
-    floats &= is_float(t.scalar_type());
-  }
-  const bool fused_cast = !same && floats;
-  // Byte copies read the outputs' dtype: other inputs are cast first (exotic casts only).
-  std::vector<at::Tensor> inputs;
-  for (const at::Tensor& t : pooled_embs) {
-    at::Tensor x = t.resolve_conj().resolve_neg();
-    inputs.push_back(fused_cast || x.scalar_type() == out_dtype ? x : x.to(out_dtype));
-  }
-  TensorPtrs in_ptrs, out_ptrs;
-  for (const at::Tensor& t : inputs) in_ptrs.push_back(&t);
-  for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
-
-  const int64_t es = outs[0].element_size();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  forward_launches(plan, in_ptrs, out_ptrs, batch, es, [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
-    with_forward_kernel(fused_cast, out_dtype, es, [&](auto kernel) {
-      kernel<<<blocks, kThreads, 0, stream>>>(L, r, w);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
+  forward_host(
+      pooled_embs, outs, out_dtype, [&](c10::Device device) { return plan_on(permutes, device); },
+      [&](auto kernel, int64_t blocks, const Launch& L, const auto& r, const auto& w) {
+        kernel<<<blocks, kThreads, 0, stream>>>(L, r, w);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
 }
 
 std::vector<at::Tensor> forward(
