@@ -24,7 +24,7 @@ bench: setup
 test: setup
 	.venv/bin/python -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
-CPP_SOURCES = $(wildcard kt_regroup/csrc/*.cpp kt_regroup/csrc/*.h)
+CPP_SOURCES = $(wildcard kt_regroup/csrc/*.cpp kt_regroup/csrc/*.h kt_regroup/csrc/cuda/*.cu kt_regroup/csrc/cuda/*.cuh tests/*.cpp)
 
 lint: setup
 	.venv/bin/ruff check kt_regroup tests benchmarks examples

@@ -57,8 +57,8 @@ void fail(const char* format, Args... args) {
   if (failed.empty()) failed = message;
 }
 }  // namespace emulation
-#define KT_REGROUP_INDEX_ASSERT(cond, fmt, ...) \
-  do {                                          \
+#define KT_REGROUP_INDEX_ASSERT(cond, fmt, ...)     \
+  do {                                              \
     if (!(cond)) emulation::fail(fmt, __VA_ARGS__); \
   } while (0)
 
@@ -120,7 +120,8 @@ void into(
     const at::Tensor& plan,
     const std::vector<at::Tensor>& outs) {
   if (outs.empty()) return;
-  forward_host(pooled_embs, outs, outs[0].scalar_type(), [&](c10::Device) { return plan; }, emulated);
+  forward_host(
+      pooled_embs, outs, outs[0].scalar_type(), [&](c10::Device) { return plan; }, emulated);
 }
 
 // permute.cu's forward() without its argument checks and CUDA runtime calls.
@@ -131,7 +132,8 @@ std::vector<at::Tensor> forward(
     std::optional<c10::ScalarType> dtype) {
   const at::Tensor& first = pooled_embs[0];
   std::vector<at::Tensor> outs;
-  for (int64_t n : out_lengths) outs.push_back(marked(first.size(0), n, dtype.value_or(first.scalar_type())));
+  for (int64_t n : out_lengths)
+    outs.push_back(marked(first.size(0), n, dtype.value_or(first.scalar_type())));
   into(pooled_embs, plan, outs);
   return outs;
 }
@@ -154,9 +156,12 @@ std::vector<at::Tensor> backward(
   if (batch == 0) return outs;
   TensorPtrs out_ptrs;
   for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
-  backward_launches(plan, grads, out_ptrs, batch, outs[0].element_size(), [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
-    with_backward_kernel(grad_dtype, dtype, [&](auto kernel) { emulate(kernel, blocks, L, g, w); });
-  });
+  backward_launches(
+      plan, grads, out_ptrs, batch, outs[0].element_size(),
+      [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
+        with_backward_kernel(
+            grad_dtype, dtype, [&](auto kernel) { emulate(kernel, blocks, L, g, w); });
+      });
   return outs;
 }
 
@@ -196,7 +201,8 @@ at::Tensor vbe_backward(
   for (size_t i = 0; i < in_rows.size(); ++i) total += in_rows[i] * in_lengths[i];
   if (!defined) return at::zeros({total}, at::TensorOptions().dtype(dtype));
   at::Tensor flat = marked(1, total, dtype).view({total});
-  if (total > 0) vbe_backward_launches(plan, grads, indices, in_rows, in_lengths, batch, flat, emulated);
+  if (total > 0)
+    vbe_backward_launches(plan, grads, indices, in_rows, in_lengths, batch, flat, emulated);
   return flat;
 }
 

@@ -130,22 +130,28 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // independent loads in flight per thread
-constexpr int kMaxTensors = 32;  // tensors per side of a forward launch, and written by a backward one
+constexpr int kMaxTensors =
+    32;  // tensors per side of a forward launch, and written by a backward one
 constexpr int kMaxReads = 64;  // gradient outputs one backward launch reads (all of them)
 constexpr int64_t kTileBytes = 32 * 1024;  // bytes a copy block moves (about)
-constexpr int kZeroCols = 2048;  // columns per zero block
-constexpr int64_t kMaxZeroBlocks = 512;  // each scans the whole plan
+constexpr int kZeroCols = 2048;            // columns per zero block
+constexpr int64_t kMaxZeroBlocks = 512;    // each scans the whole plan
 
 // Element dtypes of the fused cast.
 enum DtypeCode : int8_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kOther = 4 };
 
 DtypeCode dtype_code(c10::ScalarType t) {
   switch (t) {
-    case at::kFloat: return kF32;
-    case at::kDouble: return kF64;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: return kOther;
+    case at::kFloat:
+      return kF32;
+    case at::kDouble:
+      return kF64;
+    case at::kHalf:
+      return kF16;
+    case at::kBFloat16:
+      return kBF16;
+    default:
+      return kOther;
   }
 }
 
@@ -183,10 +189,10 @@ struct Launch {
   Plan plan;
   int64_t batch;
   int64_t n_reads_total;  // forward: rows reading a tensor outside [0, this) are no-ops
-  int64_t tile_rows;  // batch rows per copy block
-  int64_t zero_blocks;  // the first blocks of the grid
+  int64_t tile_rows;      // batch rows per copy block
+  int64_t zero_blocks;    // the first blocks of the grid
   int64_t zero_col_tiles;
-  int64_t zero_rows;  // batch rows per zero block
+  int64_t zero_rows;   // batch rows per zero block
   int64_t total_cols;  // columns of this launch's written tensors, side by side
 };
 
@@ -234,7 +240,8 @@ __device__ Span clip(int64_t off, int64_t length, int64_t width) {
 
 // Whether a row writes in this launch, and which columns of its written tensor.
 template <bool kBackward, int NW>
-__device__ bool writes(const Row& row, const Tensors<NW>& w, const Launch& L, int64_t& wt, Span& s) {
+__device__ bool writes(
+    const Row& row, const Tensors<NW>& w, const Launch& L, int64_t& wt, Span& s) {
   wt = row.write_t - w.lo;
   if (wt < 0 || wt >= w.count) return false;
   if (kBackward) {
@@ -280,14 +287,29 @@ __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
 // A plain element of ES bytes (a byte copy moves any dtype).
 template <int ES>
 struct Bytes;
-template <> struct Bytes<1> { using type = uint8_t; };
-template <> struct Bytes<2> { using type = uint16_t; };
-template <> struct Bytes<4> { using type = uint32_t; };
-template <> struct Bytes<8> { using type = uint64_t; };
+template <>
+struct Bytes<1> {
+  using type = uint8_t;
+};
+template <>
+struct Bytes<2> {
+  using type = uint16_t;
+};
+template <>
+struct Bytes<4> {
+  using type = uint32_t;
+};
+template <>
+struct Bytes<8> {
+  using type = uint64_t;
+};
 struct alignas(8) Pair64 {
   uint64_t a, b;
 };
-template <> struct Bytes<16> { using type = Pair64; };
+template <>
+struct Bytes<16> {
+  using type = Pair64;
+};
 
 // Fills the columns of this launch's written tensors that no row writes with zeros
 // (all-zero bytes: +0.0, 0, false), for the block's tile of columns and batch rows.
@@ -369,8 +391,11 @@ __device__ int64_t index_row(const RowIndex<N>& x, int64_t t, int64_t b, int64_t
 // row_of(t, b) (b itself, or through the VBE op's index; -1: zeros).
 template <int ES, typename RowOf>
 __device__ void copy_block(
-    const Launch& L, const Tensors<kMaxTensors>& in, const Tensors<kMaxTensors>& out,
-    int64_t blk, RowOf row_of) {
+    const Launch& L,
+    const Tensors<kMaxTensors>& in,
+    const Tensors<kMaxTensors>& out,
+    int64_t blk,
+    RowOf row_of) {
   using E = typename Bytes<ES>::type;
   const int64_t r = blk % L.plan.n_rows;
   const Row row = load_row<false>(L.plan, r);
@@ -430,7 +455,9 @@ __global__ void __launch_bounds__(kThreads) permute_copy_kernel(
 // The VBE forward (permute_multi_embedding_vbe): the byte copy through the inputs' indices.
 template <int ES>
 __global__ void __launch_bounds__(kThreads) vbe_copy_kernel(
-    const Launch L, const Tensors<kMaxTensors> in, const Tensors<kMaxTensors> out,
+    const Launch L,
+    const Tensors<kMaxTensors> in,
+    const Tensors<kMaxTensors> out,
     const RowIndex<kMaxTensors> index) {
   const int64_t blk = blockIdx.x;
   if (blk < L.zero_blocks) return zero_block<false, ES>(L, out, blk);
@@ -452,10 +479,14 @@ __device__ __forceinline__ int code_bytes(int8_t code) {
 template <typename Dst>
 __device__ __forceinline__ Dst load_as(const char* p, int8_t code) {
   switch (code) {
-    case kF32: return convert<Dst>(*reinterpret_cast<const float*>(p));
-    case kF64: return convert<Dst>(*reinterpret_cast<const double*>(p));
-    case kF16: return convert<Dst>(static_cast<float>(*reinterpret_cast<const c10::Half*>(p)));
-    default: return convert<Dst>(static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(p)));
+    case kF32:
+      return convert<Dst>(*reinterpret_cast<const float*>(p));
+    case kF64:
+      return convert<Dst>(*reinterpret_cast<const double*>(p));
+    case kF16:
+      return convert<Dst>(static_cast<float>(*reinterpret_cast<const c10::Half*>(p)));
+    default:
+      return convert<Dst>(static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(p)));
   }
 }
 
@@ -495,8 +526,14 @@ template <typename T>
 struct Accumulate {
   using type = T;
 };
-template <> struct Accumulate<c10::Half> { using type = float; };
-template <> struct Accumulate<c10::BFloat16> { using type = float; };
+template <>
+struct Accumulate<c10::Half> {
+  using type = float;
+};
+template <>
+struct Accumulate<c10::BFloat16> {
+  using type = float;
+};
 
 // One gradient block of a chain: the head's columns c in [lo, hi) read
 // grads[t][b, off + c].
@@ -509,10 +546,10 @@ constexpr int kMaxLinks = 16;  // longer chains walk the plan per element
 
 template <typename T>
 constexpr DtypeCode code_of() {
-  return std::is_same_v<T, float> ? kF32
-      : std::is_same_v<T, double> ? kF64
-      : std::is_same_v<T, c10::Half> ? kF16
-      : kBF16;
+  return std::is_same_v<T, float>       ? kF32
+         : std::is_same_v<T, double>    ? kF64
+         : std::is_same_v<T, c10::Half> ? kF16
+                                        : kBF16;
 }
 
 // Calls f(row) for each row of the chain that starts at `head`, in row order (a head's
@@ -543,9 +580,9 @@ __device__ int chain_links(
       k = -1;
       return false;
     }
-    links[k++] = Link{
-        grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off, lo, hi,
-        grads.dtype[gt]};
+    links[k++] =
+        Link{grads.ptr[gt],  grads.row_stride[gt], grads.col_stride[gt], cur.read_off, lo, hi,
+             grads.dtype[gt]};
     return true;
   });
   return k;
@@ -555,8 +592,13 @@ __device__ int chain_links(
 // row order: from `links` (chain_links), or walking the plan where count is -1.
 template <typename Add>
 __device__ void for_links(
-    int count, const Link* links, const Plan& p, const Row& head,
-    const Tensors<kMaxReads>& grads, int64_t c, Add add) {
+    int count,
+    const Link* links,
+    const Plan& p,
+    const Row& head,
+    const Tensors<kMaxReads>& grads,
+    int64_t c,
+    Add add) {
   if (count >= 0) {
     for (int k = 0; k < count; ++k) {
       if (c >= links[k].lo && c < links[k].hi) add(links[k]);
@@ -568,8 +610,9 @@ __device__ void for_links(
     if (gt >= 0 && gt < grads.count) {
       const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
       if (c >= rd.lo && c < rd.hi) {
-        add(Link{grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off,
-                 rd.lo, rd.hi, grads.dtype[gt]});
+        add(Link{
+            grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off, rd.lo, rd.hi,
+            grads.dtype[gt]});
       }
     }
     return true;
@@ -612,13 +655,15 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
     const Link l = links[0];
     // 16-byte vectors where the gradient has D's dtype (then Compute is D's own), the
     // block covers the whole segment and is aligned.
-    if constexpr (std::is_same_v<Compute, std::conditional_t<std::is_same_v<D, double>, double, float>>) {
+    if constexpr (std::is_same_v<
+                      Compute, std::conditional_t<std::is_same_v<D, double>, double, float>>) {
       using G = D;
       constexpr int64_t kVec = 16 / sizeof(G);
       const int64_t cols = s.hi - s.lo;
       const char* src = l.ptr + (l.off + s.lo) * sizeof(G);
-      if (l.code == code_of<D>() && l.lo == s.lo && l.hi == s.hi && (l.cs == 1 || cols == 1) && cols % kVec == 0 &&
-          l.rs % kVec == 0 && drs % kVec == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+      if (l.code == code_of<D>() && l.lo == s.lo && l.hi == s.hi && (l.cs == 1 || cols == 1) &&
+          cols % kVec == 0 && l.rs % kVec == 0 && drs % kVec == 0 &&
+          reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
           reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
         const uint4* vs = reinterpret_cast<const uint4*>(src) + b0 * (l.rs / kVec);
         uint4* vd = reinterpret_cast<uint4*>(dst) + b0 * (drs / kVec);
@@ -630,8 +675,8 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
               D d[kVec];
 #pragma unroll
               for (int k = 0; k < kVec; ++k) {  // 0 + g, as the accumulation computes it
-                d[k] = static_cast<D>(static_cast<Acc>(
-                    static_cast<Compute>(Acc(0)) + static_cast<Compute>(g[k])));
+                d[k] = static_cast<D>(
+                    static_cast<Acc>(static_cast<Compute>(Acc(0)) + static_cast<Compute>(g[k])));
               }
               uint4 out;
               memcpy(&out, d, 16);
@@ -645,8 +690,8 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
         [&](int64_t b, int64_t j) {
           const int64_t c = s.lo + j;
           return c >= l.lo && c < l.hi
-              ? add(Acc(0), l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs, l.code)
-              : Acc(0);
+                     ? add(Acc(0), l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs, l.code)
+                     : Acc(0);
         },
         store);
     return;
@@ -678,11 +723,14 @@ struct Samples {
 // The VBE backward (permute_multi_embedding_vbe_backward): a chain head's block of input
 // rows sums, for each row and column, over the row's samples in sample order, each
 // sample's chain of gradient blocks in row order, in Acc (float32 for float16/bfloat16):
-// the CPU kernel's order (unpatched torchrec's), so its bits. Rows no sample reads get zeros. The gradients have D's
-// dtype (the op checks it). The input gradients are rows[t] x width views of one buffer.
+// the CPU kernel's order (unpatched torchrec's), so its bits. Rows no sample reads get zeros. The
+// gradients have D's dtype (the op checks it). The input gradients are rows[t] x width views of one
+// buffer.
 template <typename D>
 __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
-    const Launch L, const Tensors<kMaxReads> grads, const Tensors<kMaxTensors> out,
+    const Launch L,
+    const Tensors<kMaxReads> grads,
+    const Tensors<kMaxTensors> out,
     const Samples<kMaxTensors> samples) {
   using Acc = typename Accumulate<D>::type;
   int64_t blk = blockIdx.x;
@@ -706,8 +754,7 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
           "kt_regroup.permute_multi_embedding_vbe_backward: indices[%lld][%lld] = %lld is "
           "out of range for input %lld, which has %lld rows",
           static_cast<long long>(input), static_cast<long long>(by_row[q]),
-          static_cast<long long>(v), static_cast<long long>(input),
-          static_cast<long long>(n_rows));
+          static_cast<long long>(v), static_cast<long long>(input), static_cast<long long>(n_rows));
     }
   }
   __shared__ Link links[kMaxLinks];
@@ -743,7 +790,8 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
 // A launch's arguments stay within the 4 KiB every CUDA version and GPU accepts.
 static_assert(
     sizeof(Launch) + sizeof(Tensors<kMaxReads>) + sizeof(Tensors<kMaxTensors>) +
-            sizeof(Samples<kMaxTensors>) <= 4000 &&
+                sizeof(Samples<kMaxTensors>) <=
+            4000 &&
         sizeof(Launch) + 2 * sizeof(Tensors<kMaxTensors>) + sizeof(RowIndex<kMaxTensors>) <= 4000,
     "kernel arguments over 4 KiB");
 
@@ -790,8 +838,12 @@ int64_t pow2_floor(int64_t x) {
 
 // Grid and tile sizes of one launch writing `total_cols` columns (of `es`-byte elements).
 Launch plan_launch(
-    const at::Tensor& permutes, int64_t batch, int64_t n_reads_total, int64_t total_cols,
-    int64_t es, bool zero_fill) {
+    const at::Tensor& permutes,
+    int64_t batch,
+    int64_t n_reads_total,
+    int64_t total_cols,
+    int64_t es,
+    bool zero_fill) {
   Launch L{};
   L.plan = device_plan(permutes);
   L.batch = batch;
@@ -803,8 +855,8 @@ Launch plan_launch(
   L.tile_rows = std::min(pow2_floor(std::max<int64_t>(1, kTileBytes / row_bytes)), batch);
   if (zero_fill && total_cols > 0) {
     L.zero_col_tiles = ceil_div(total_cols, kZeroCols);
-    const int64_t chunks = std::clamp<int64_t>(
-        kMaxZeroBlocks / L.zero_col_tiles, 1, ceil_div(batch, 32));
+    const int64_t chunks =
+        std::clamp<int64_t>(kMaxZeroBlocks / L.zero_col_tiles, 1, ceil_div(batch, 32));
     L.zero_rows = ceil_div(batch, chunks);
     L.zero_blocks = L.zero_col_tiles * ceil_div(batch, L.zero_rows);
   }
@@ -825,8 +877,12 @@ int64_t grid_blocks(const Launch& L) {
 // gaps with zeros).
 template <typename Fn>
 void forward_launches(
-    const at::Tensor& plan, const TensorPtrs& inputs, const TensorPtrs& outs, int64_t batch,
-    int64_t es, Fn launch) {
+    const at::Tensor& plan,
+    const TensorPtrs& inputs,
+    const TensorPtrs& outs,
+    int64_t batch,
+    int64_t es,
+    Fn launch) {
   for (size_t w_lo = 0; w_lo < outs.size(); w_lo += kMaxTensors) {
     const size_t w_n = std::min<size_t>(kMaxTensors, outs.size() - w_lo);
     int64_t cols = 0;
@@ -846,8 +902,12 @@ void forward_launches(
 // every gradient output (at most kMaxReads).
 template <typename Fn>
 void backward_launches(
-    const at::Tensor& plan, const TensorPtrs& grads, const TensorPtrs& outs, int64_t batch,
-    int64_t es, Fn launch) {
+    const at::Tensor& plan,
+    const TensorPtrs& grads,
+    const TensorPtrs& outs,
+    int64_t batch,
+    int64_t es,
+    Fn launch) {
   TORCH_CHECK(grads.size() <= size_t(kMaxReads), "kt_regroup: more than ", kMaxReads, " gradients");
   const auto g = table<kMaxReads>(grads, 0, grads.size());
   for (size_t w_lo = 0; w_lo < outs.size(); w_lo += kMaxTensors) {
@@ -874,12 +934,18 @@ void with_forward_kernel(bool fused_cast, c10::ScalarType out_dtype, int64_t es,
     return;
   }
   switch (es) {
-    case 1: return run(&permute_copy_kernel<1>);
-    case 2: return run(&permute_copy_kernel<2>);
-    case 4: return run(&permute_copy_kernel<4>);
-    case 8: return run(&permute_copy_kernel<8>);
-    case 16: return run(&permute_copy_kernel<16>);
-    default: TORCH_CHECK(false, "kt_regroup: no CUDA copy of ", es, "-byte elements");
+    case 1:
+      return run(&permute_copy_kernel<1>);
+    case 2:
+      return run(&permute_copy_kernel<2>);
+    case 4:
+      return run(&permute_copy_kernel<4>);
+    case 8:
+      return run(&permute_copy_kernel<8>);
+    case 16:
+      return run(&permute_copy_kernel<16>);
+    default:
+      TORCH_CHECK(false, "kt_regroup: no CUDA copy of ", es, "-byte elements");
   }
 }
 
@@ -890,7 +956,10 @@ void with_forward_kernel(bool fused_cast, c10::ScalarType out_dtype, int64_t es,
 // outputs' are cast inside the copy where both are float (the fused cast), else first.
 template <typename PlanOn, typename Run>
 void forward_host(
-    at::TensorList pooled_embs, at::TensorList outs, c10::ScalarType out_dtype, PlanOn plan_on,
+    at::TensorList pooled_embs,
+    at::TensorList outs,
+    c10::ScalarType out_dtype,
+    PlanOn plan_on,
     Run run) {
   const at::Tensor& first = pooled_embs[0];
   const int64_t batch = first.size(0);
@@ -913,9 +982,12 @@ void forward_host(
   for (const at::Tensor& t : inputs) in_ptrs.push_back(&t);
   for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
   const int64_t es = outs[0].element_size();
-  forward_launches(plan, in_ptrs, out_ptrs, batch, es, [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
-    with_forward_kernel(fused_cast, out_dtype, es, [&](auto kernel) { run(kernel, blocks, L, r, w); });
-  });
+  forward_launches(
+      plan, in_ptrs, out_ptrs, batch, es,
+      [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
+        with_forward_kernel(
+            fused_cast, out_dtype, es, [&](auto kernel) { run(kernel, blocks, L, r, w); });
+      });
 }
 
 // The same for a backward from float gradients of `grad_dtype` into `dtype`.
@@ -938,8 +1010,10 @@ void with_backward_kernel(c10::ScalarType grad_dtype, c10::ScalarType dtype, Run
 // The index of each input of a forward launch's chunk (inputs [lo, lo + count)).
 template <int N>
 RowIndex<N> row_index(
-    const std::vector<std::optional<at::Tensor>>& indices, const TensorPtrs& inputs,
-    int64_t lo, int64_t count) {
+    const std::vector<std::optional<at::Tensor>>& indices,
+    const TensorPtrs& inputs,
+    int64_t lo,
+    int64_t count) {
   RowIndex<N> x{};
   for (int64_t k = 0; k < count; ++k) {
     const size_t i = static_cast<size_t>(lo + k);
@@ -957,25 +1031,36 @@ RowIndex<N> row_index(
 // forward_launches plans them (`outs`: batch rows; `inputs`: of the outputs' dtype).
 template <typename Run>
 void vbe_forward_launches(
-    const at::Tensor& plan, const std::vector<at::Tensor>& inputs,
-    const std::vector<std::optional<at::Tensor>>& indices, const std::vector<at::Tensor>& outs,
-    int64_t batch, Run run) {
+    const at::Tensor& plan,
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<std::optional<at::Tensor>>& indices,
+    const std::vector<at::Tensor>& outs,
+    int64_t batch,
+    Run run) {
   TensorPtrs in_ptrs, out_ptrs;
   for (const at::Tensor& t : inputs) in_ptrs.push_back(&t);
   for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
   const int64_t es = outs[0].element_size();
-  forward_launches(plan, in_ptrs, out_ptrs, batch, es, [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
-    const auto index = row_index<kMaxTensors>(indices, in_ptrs, r.lo, r.count);
-    const auto go = [&](auto kernel) { run(kernel, blocks, L, r, w, index); };
-    switch (es) {
-      case 1: return go(&vbe_copy_kernel<1>);
-      case 2: return go(&vbe_copy_kernel<2>);
-      case 4: return go(&vbe_copy_kernel<4>);
-      case 8: return go(&vbe_copy_kernel<8>);
-      case 16: return go(&vbe_copy_kernel<16>);
-      default: TORCH_CHECK(false, "kt_regroup: no CUDA copy of ", es, "-byte elements");
-    }
-  });
+  forward_launches(
+      plan, in_ptrs, out_ptrs, batch, es,
+      [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
+        const auto index = row_index<kMaxTensors>(indices, in_ptrs, r.lo, r.count);
+        const auto go = [&](auto kernel) { run(kernel, blocks, L, r, w, index); };
+        switch (es) {
+          case 1:
+            return go(&vbe_copy_kernel<1>);
+          case 2:
+            return go(&vbe_copy_kernel<2>);
+          case 4:
+            return go(&vbe_copy_kernel<4>);
+          case 8:
+            return go(&vbe_copy_kernel<8>);
+          case 16:
+            return go(&vbe_copy_kernel<16>);
+          default:
+            TORCH_CHECK(false, "kt_regroup: no CUDA copy of ", es, "-byte elements");
+        }
+      });
 }
 
 // An input's samples by row, on the index's device, as vbe_backward_kernel reads them
@@ -992,9 +1077,14 @@ at::Tensor samples_by_row(const at::Tensor& index, int64_t rows) {
 // as backward_launches plans them over the largest input's rows.
 template <typename Run>
 void vbe_backward_launches(
-    const at::Tensor& plan, const TensorPtrs& grads,
-    const std::vector<std::optional<at::Tensor>>& indices, c10::IntArrayRef in_rows,
-    c10::IntArrayRef in_lengths, int64_t batch, const at::Tensor& flat, Run run) {
+    const at::Tensor& plan,
+    const TensorPtrs& grads,
+    const std::vector<std::optional<at::Tensor>>& indices,
+    c10::IntArrayRef in_rows,
+    c10::IntArrayRef in_lengths,
+    int64_t batch,
+    const at::Tensor& flat,
+    Run run) {
   std::vector<at::Tensor> views, csr;
   int64_t offset = 0, max_rows = 0;
   for (size_t i = 0; i < in_rows.size(); ++i) {
@@ -1008,18 +1098,20 @@ void vbe_backward_launches(
   if (max_rows == 0) return;
   TensorPtrs out_ptrs;
   for (const at::Tensor& t : views) out_ptrs.push_back(&t);
-  backward_launches(plan, grads, out_ptrs, max_rows, flat.element_size(), [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
-    Samples<kMaxTensors> samples{};
-    samples.batch = batch;
-    for (int32_t k = 0; k < w.count; ++k) {
-      const at::Tensor& c = csr[w.lo + k];
-      samples.csr[k] = c.defined() ? c.const_data_ptr<int64_t>() : nullptr;
-      samples.rows[k] = in_rows[w.lo + k];
-    }
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "kt_regroup_vbe_backward", [&] {
-      run(&vbe_backward_kernel<scalar_t>, blocks, L, g, w, samples);
-    });
-  });
+  backward_launches(
+      plan, grads, out_ptrs, max_rows, flat.element_size(),
+      [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
+        Samples<kMaxTensors> samples{};
+        samples.batch = batch;
+        for (int32_t k = 0; k < w.count; ++k) {
+          const at::Tensor& c = csr[w.lo + k];
+          samples.csr[k] = c.defined() ? c.const_data_ptr<int64_t>() : nullptr;
+          samples.rows[k] = in_rows[w.lo + k];
+        }
+        AT_DISPATCH_FLOATING_TYPES_AND2(
+            at::kHalf, at::kBFloat16, flat.scalar_type(), "kt_regroup_vbe_backward",
+            [&] { run(&vbe_backward_kernel<scalar_t>, blocks, L, g, w, samples); });
+      });
 }
 
 }  // namespace

@@ -77,7 +77,8 @@ std::vector<at::Tensor> forward(
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype) {
-  check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, !dtype.has_value());
+  check_forward_call(
+      op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, !dtype.has_value());
   const at::Tensor& first = pooled_embs[0];
   const c10::cuda::CUDAGuard guard(first.device());
   const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
@@ -163,7 +164,8 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cuda(
   std::vector<at::Tensor> outs;
   int64_t total_cols = 0;
   for (int64_t n : in_lengths) {
-    outs.push_back(defined ? at::empty({batch_size, n}, options) : at::zeros({batch_size, n}, options));
+    outs.push_back(
+        defined ? at::empty({batch_size, n}, options) : at::zeros({batch_size, n}, options));
     total_cols += n;
   }
   if (!defined || batch_size == 0 || total_cols == 0) return outs;
@@ -173,12 +175,14 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cuda(
   const int64_t es = outs[0].element_size();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const c10::ScalarType grad_dtype = defined->scalar_type();
-  backward_launches(plan, grads, out_ptrs, batch_size, es, [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
-    with_backward_kernel(grad_dtype, dtype, [&](auto kernel) {
-      kernel<<<blocks, kThreads, 0, stream>>>(L, g, w);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
+  backward_launches(
+      plan, grads, out_ptrs, batch_size, es,
+      [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
+        with_backward_kernel(grad_dtype, dtype, [&](auto kernel) {
+          kernel<<<blocks, kThreads, 0, stream>>>(L, g, w);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      });
   return outs;
 }
 
@@ -271,11 +275,14 @@ extern "C" int kt_regroup_built_with_cuda() {
 TORCH_LIBRARY_IMPL(kt_regroup, CUDA, m) {
   m.impl("permute_multi_embedding", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_cuda));
   m.impl("permute_multi_embedding_to", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_to_cuda));
-  m.impl("permute_multi_embedding_into", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_into_cuda));
+  m.impl(
+      "permute_multi_embedding_into",
+      TORCH_FN(kt_regroup::cuda::permute_multi_embedding_into_cuda));
   m.impl(
       "permute_multi_embedding_backward",
       TORCH_FN(kt_regroup::cuda::permute_multi_embedding_backward_cuda));
-  m.impl("permute_multi_embedding_vbe", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_vbe_cuda));
+  m.impl(
+      "permute_multi_embedding_vbe", TORCH_FN(kt_regroup::cuda::permute_multi_embedding_vbe_cuda));
   m.impl(
       "permute_multi_embedding_vbe_backward",
       TORCH_FN(kt_regroup::cuda::permute_multi_embedding_vbe_backward_cuda));
