@@ -112,7 +112,8 @@ inline void stream_fence() {}
 #endif
 
 // The size of the last-level cache one core reaches (Linux sysfs; 0 where unknown). Not
-// sysconf(_SC_LEVEL3_CACHE_SIZE): on AMD EPYC that is the sum over every core complex.
+// sysconf(_SC_LEVEL3_CACHE_SIZE): where the L3 is split between core complexes, that is
+// the sum of all of them.
 int64_t last_level_cache_bytes() {
   int top = 0;
   int64_t bytes = 0;

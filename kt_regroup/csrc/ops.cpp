@@ -514,9 +514,7 @@ std::shared_ptr<const CheckedPlan> check_backward_plan(
   std::optional<c10::Device> device;
   if (std::any_of(grads.begin(), grads.end(), [](const at::Tensor* g) { return g; })) {
     check_tensor_list(op, "grad_outputs", grads);
-    for (const at::Tensor* g : grads) {
-      if (g) device = g->device();
-    }
+    device = gradients_device(grads, permutes);
   }
   TORCH_CHECK_VALUE(
       batch_size >= 0, "kt_regroup.", op, ": batch_size is negative (", batch_size, ")");
