@@ -181,6 +181,38 @@ def test_vbe_backward_gives_torchrecs_bits():
     assert torch.equal(portable, flat)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vbe_backward_of_many_inputs_sums_in_torchrecs_order(dtype):
+    """Enough indexed inputs that the CPU backward splits them over several tasks (each
+    owns about 512 KiB of rows), keys in two groups, a key in none and an unindexed input:
+    float32 gives the portable kernel's bits (index_add_, torchrec's order) and bfloat16
+    the float32 sums of the same gradients, rounded once."""
+    g = torch.Generator().manual_seed(5)
+    batch, n, rows, width = 700, 40, 300, 64
+    pooled = [torch.randn(rows, width, generator=g) for _ in range(n)]
+    pooled.append(torch.randn(batch, 16, generator=g))
+    indices = [torch.randint(rows, (batch,), generator=g) for _ in range(n)] + [None]
+    keys = [[f"k{i}"] for i in range(n + 1)]
+    order = torch.randperm(n + 1, generator=g).tolist()
+    groups = [[f"k{i}" for i in order[:30]], [f"k{i}" for i in order[10:n]]]  # 20 in both
+    assert f"k{order[n]}" not in groups[0] + groups[1]
+    plan = kt_regroup_arguments(pooled[0], keys, [[p.size(1)] for p in pooled], groups)
+    outs = permute_multi_embedding_vbe([p.to(dtype) for p in pooled], indices, *plan)
+    grads = [torch.randn(o.shape, generator=g).to(dtype) for o in outs]
+    backward = torch.ops.kt_regroup.permute_multi_embedding_vbe_backward.default
+    lengths, in_rows = [p.size(1) for p in pooled], [p.size(0) for p in pooled]
+
+    def run(gs, dt, key=None):
+        args = (gs, indices, *plan[:3], lengths, in_rows, dt)
+        return backward(*args) if key is None else backward._op_dk(key, *args)
+
+    got = run(grads, dtype)
+    if dtype == torch.float32:
+        assert torch.equal(got, run(grads, dtype, torch._C.DispatchKey.CompositeExplicitAutograd))
+    else:
+        assert torch.equal(got, run([x.float() for x in grads], torch.float32).to(dtype))
+
+
 def _sample(batch=4, dtype=torch.float32, idx_dtype=torch.long, requires_grad=False):
     a = torch.randn(3, 4, dtype=dtype, requires_grad=requires_grad)
     b = torch.randn(batch, 2, dtype=dtype, requires_grad=requires_grad)

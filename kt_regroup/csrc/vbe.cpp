@@ -6,8 +6,8 @@
 //
 // indices[i] None (or an empty list): input i has one row per sample. The plan is the
 // permute-row format of permute_multi_embedding. The backward accumulates every sample's
-// gradient into its row in sample order (a counting sort of each index, then rows owned
-// by one thread each: deterministic, no atomics), duplicated keys summed in plan order,
+// gradient into its row in sample order (each task owns its inputs' rows and reads the
+// gradients sample by sample: deterministic, no atomics), duplicated keys summed in plan order,
 // unused rows exact zeros. The backward op returns the input gradients as one flat
 // tensor (an op may not return aliases of one allocation); the autograd splits it into
 // per-input views.
@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <tuple>
 #include <type_traits>
 
 namespace kt_regroup {
@@ -431,6 +432,10 @@ std::vector<RowMap> row_maps(
   return maps;
 }
 
+// Bytes of indexed input rows one CPU task reads (forward) or accumulates (backward):
+// they stay in cache while the task goes over the samples in order.
+constexpr int64_t kTaskBytes = 512 * 1024;
+
 std::vector<at::Tensor> vbe_cpu(
     at::TensorList pooled_embs,
     const OptionalTensors& indices,
@@ -461,7 +466,7 @@ std::vector<at::Tensor> vbe_cpu(
     const RowMap* map;
   };
   std::vector<Copy> copies;
-  int64_t bytes_per_sample = 0;
+  int64_t bytes = 0;
   for (const Segment& s : f.segments) {
     const at::Tensor& in = inputs[s.in_t];
     const at::Tensor& out = outs[s.out_t];
@@ -469,34 +474,60 @@ std::vector<at::Tensor> vbe_cpu(
         static_cast<const char*>(in.const_data_ptr()) + s.in_off * es, in.stride(0) * es,
         static_cast<char*>(out.data_ptr()) + s.out_off * es, out.stride(0) * es, s.length * es,
         &maps[s.in_t]});
-    bytes_per_sample += s.length * es;
+    bytes += f.batch * s.length * es;
   }
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, bytes_per_sample));
-  at::parallel_for(0, f.batch, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (const Copy& c : copies) {
-        std::memcpy(c.dst + b * c.dst_stride, c.src + (*c.map)(b)*c.src_stride, c.bytes);
+  // Tasks: runs of copies, in output order, that read about kTaskBytes of rows, each over
+  // sample ranges that write about kTaskBytes: a task's rows stay in cache. Where segments
+  // overlap, one run in plan order (a later segment's columns win). Less than kGrainBytes
+  // in all runs inline.
+  std::vector<size_t> order(copies.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  if (tiled) {
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      const Segment &x = f.segments[a], &y = f.segments[b];
+      return std::tie(x.out_t, x.out_off) < std::tie(y.out_t, y.out_off);
+    });
+  }
+  struct Task {
+    size_t begin, end;  // into order
+    int64_t b0, b1;     // samples
+  };
+  std::vector<Task> tasks;
+  auto add = [&](size_t begin, size_t end, int64_t per_sample) {
+    const int64_t step = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, per_sample));
+    for (int64_t b = 0; b < f.batch; b += step) {
+      tasks.push_back(Task{begin, end, b, std::min(f.batch, b + step)});
+    }
+  };
+  size_t begin = 0;
+  int64_t read = 0, per_sample = 0;
+  for (size_t q = 0; q < order.size(); ++q) {
+    const Segment& s = f.segments[order[q]];
+    const int64_t rows = maps[s.in_t].indexed ? inputs[s.in_t].size(0) : f.batch;
+    const int64_t size = rows * s.length * es;
+    if (tiled && q > begin && read + size > kTaskBytes) {
+      add(begin, q, per_sample);
+      begin = q;
+      read = per_sample = 0;
+    }
+    read += size;
+    per_sample += s.length * es;
+  }
+  add(begin, order.size(), per_sample);
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t grain = bytes < kGrainBytes ? std::max<int64_t>(1, n_tasks) : 1;
+  at::parallel_for(0, n_tasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& task = tasks[t];
+      for (int64_t b = task.b0; b < task.b1; ++b) {
+        for (size_t q = task.begin; q < task.end; ++q) {
+          const Copy& c = copies[order[q]];
+          std::memcpy(c.dst + b * c.dst_stride, c.src + (*c.map)(b)*c.src_stride, c.bytes);
+        }
       }
     }
   });
   return outs;
-}
-
-// Per input: the samples of each row, in sample order (a counting sort of its index).
-struct Csr {
-  std::vector<int64_t> start;    // rows + 1
-  std::vector<int64_t> samples;  // batch
-};
-
-Csr samples_by_row(const RowMap& map, int64_t rows, int64_t batch) {
-  Csr c;
-  c.start.assign(rows + 1, 0);
-  for (int64_t b = 0; b < batch; ++b) ++c.start[map(b) + 1];
-  for (int64_t r = 0; r < rows; ++r) c.start[r + 1] += c.start[r];
-  c.samples.resize(batch);
-  std::vector<int64_t> next(c.start.begin(), c.start.end() - 1);
-  for (int64_t b = 0; b < batch; ++b) c.samples[next[map(b)]++] = b;
-  return c;
 }
 
 // One sample's gradient of input columns: kOnce pieces into `acc` (acc_t) or straight
@@ -536,31 +567,65 @@ void vbe_backward_cpu_typed(
     c10::IntArrayRef in_lengths,
     std::vector<at::Tensor>& grads) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-  const size_t n_in = in_rows.size();
+  constexpr bool kInPlace = std::is_same_v<acc_t, scalar_t>;  // accumulate in the gradients
+  const int64_t n_in = static_cast<int64_t>(in_rows.size());
   const std::vector<InputSums> sums = input_sums(k.segments, k.grads, in_lengths);
   std::vector<at::Tensor> keep;
   const std::vector<RowMap> maps = row_maps(k.indices, n_in, keep);
-  // One task per input; each owns its rows, so no two threads write one element. Less
-  // than kGrainBytes of gradient in all runs inline (no thread to wake).
+  // Tasks own disjoint inputs, so no two threads write one element: an input without an
+  // index (row r is sample r) or without gradients alone; indexed inputs in runs of about
+  // kTaskBytes of rows, ordered by where their first gradient block lies (neighbouring
+  // columns of the gradient rows).
+  std::vector<int64_t> order, starts;
+  std::vector<int64_t> indexed;
   int64_t bytes = 0;
-  for (const InputSums& s : sums) {
-    for (const Piece& p : s.pieces) bytes += k.batch * p.length * int64_t(sizeof(scalar_t));
+  for (int64_t i = 0; i < n_in; ++i) {
+    for (const Piece& p : sums[i].pieces) bytes += k.batch * p.length * int64_t(sizeof(scalar_t));
+    if (maps[i].indexed && !sums[i].pieces.empty() && in_rows[i] * in_lengths[i] > 0) {
+      indexed.push_back(i);
+    } else {
+      starts.push_back(static_cast<int64_t>(order.size()));
+      order.push_back(i);
+    }
   }
-  const int64_t grain = bytes < kGrainBytes ? std::max<int64_t>(1, int64_t(n_in)) : 1;
-  at::parallel_for(0, static_cast<int64_t>(n_in), grain, [&](int64_t i0, int64_t i1) {
-    std::vector<acc_t> acc, sum;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t rows = in_rows[i], width = in_lengths[i];
-      scalar_t* out = grads[i].data_ptr<scalar_t>();
-      if (rows * width == 0) continue;
+  auto first = [&](int64_t i) {
+    const Segment& s = *sums[i].pieces.front().segment;
+    return std::make_pair(s.out_t, s.out_off + sums[i].pieces.front().skip);
+  };
+  std::stable_sort(
+      indexed.begin(), indexed.end(), [&](int64_t a, int64_t b) { return first(a) < first(b); });
+  int64_t run = kTaskBytes;
+  for (int64_t i : indexed) {
+    const int64_t size = in_rows[i] * in_lengths[i] * int64_t(sizeof(acc_t));
+    if (run + size > kTaskBytes) {
+      starts.push_back(static_cast<int64_t>(order.size()));
+      run = 0;
+    }
+    run += size;
+    order.push_back(i);
+  }
+  const int64_t n_tasks = static_cast<int64_t>(starts.size());
+  starts.push_back(static_cast<int64_t>(order.size()));
+  // Less than kGrainBytes of gradient in all runs inline (no thread to wake).
+  const int64_t grain = bytes < kGrainBytes ? std::max<int64_t>(1, n_tasks) : 1;
+  at::parallel_for(0, n_tasks, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<acc_t> buffer, sum;
+    std::vector<acc_t*> accs;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t* inputs = order.data() + starts[t];
+      const int64_t n = starts[t + 1] - starts[t];
+      const int64_t i = inputs[0];
       const InputSums& s = sums[i];
+      if (in_rows[i] * in_lengths[i] == 0) continue;
+      scalar_t* out = grads[i].data_ptr<scalar_t>();
       if (s.pieces.empty()) {
-        std::fill(out, out + rows * width, scalar_t(0));
+        std::fill(out, out + in_rows[i] * in_lengths[i], scalar_t(0));
         continue;
       }
-      sum.resize(width);
+      const int64_t width = in_lengths[i];
       if (!maps[i].indexed) {  // row r is sample r: its sum is its gradient
-        for (int64_t r = 0; r < rows; ++r) {
+        sum.resize(width);
+        for (int64_t r = 0; r < in_rows[i]; ++r) {
           scalar_t* o = out + r * width;
           add_sample<scalar_t, acc_t, false>(s, grad_outs, r, nullptr, o, sum.data());
           for (const auto& [b, e] : s.shared) {
@@ -570,19 +635,40 @@ void vbe_backward_cpu_typed(
         }
         continue;
       }
-      const Csr csr = samples_by_row(maps[i], rows, k.batch);
-      acc.resize(width);
-      for (int64_t r = 0; r < rows; ++r) {
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        for (int64_t q = csr.start[r]; q < csr.start[r + 1]; ++q) {
-          add_sample<scalar_t, acc_t, true>(
-              s, grad_outs, csr.samples[q], acc.data(), nullptr, sum.data());
-          for (const auto& [b, e] : s.shared) {
-            for (int64_t c = b; c < e; ++c) acc[c] += sum[c];
+      // Each row the sum of its samples' gradients, in sample order, from zero.
+      int64_t total = 0, widest = 0;
+      for (int64_t q = 0; q < n; ++q) {
+        total += in_rows[inputs[q]] * in_lengths[inputs[q]];
+        widest = std::max(widest, in_lengths[inputs[q]]);
+      }
+      if (!kInPlace) buffer.resize(total);
+      sum.resize(widest);
+      accs.clear();
+      int64_t offset = 0;
+      for (int64_t q = 0; q < n; ++q) {
+        const int64_t j = inputs[q], size = in_rows[j] * in_lengths[j];
+        acc_t* a = kInPlace ? reinterpret_cast<acc_t*>(grads[j].data_ptr<scalar_t>())
+                            : buffer.data() + offset;
+        std::fill(a, a + size, acc_t(0));
+        accs.push_back(a);
+        offset += size;
+      }
+      for (int64_t b = 0; b < k.batch; ++b) {
+        for (int64_t q = 0; q < n; ++q) {
+          const int64_t j = inputs[q];
+          acc_t* row = accs[q] + maps[j](b) * in_lengths[j];
+          add_sample<scalar_t, acc_t, true>(sums[j], grad_outs, b, row, nullptr, sum.data());
+          for (const auto& [lo, hi] : sums[j].shared) {
+            for (int64_t c = lo; c < hi; ++c) row[c] += sum[c];
           }
         }
-        scalar_t* o = out + r * width;
-        for (int64_t c = 0; c < width; ++c) o[c] = static_cast<scalar_t>(acc[c]);
+      }
+      if constexpr (!kInPlace) {
+        for (int64_t q = 0; q < n; ++q) {
+          const int64_t j = inputs[q], size = in_rows[j] * in_lengths[j];
+          scalar_t* o = grads[j].data_ptr<scalar_t>();
+          for (int64_t e = 0; e < size; ++e) o[e] = static_cast<scalar_t>(accs[q][e]);
+        }
       }
     }
   });
