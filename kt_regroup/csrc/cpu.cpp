@@ -805,15 +805,18 @@ struct GradBlock {
   int64_t out_i;  // which input gradient
   bool unit;      // every source has unit column stride (or one column)
 };
-// Element (b, c) of a source is at base + b * row_stride + c * col_stride (elements).
-// Strides come straight from the upstream gradient: 0 for broadcast (expanded) rows or
-// columns, anything for transposed or sliced ones; nothing is materialised.
+// Column `col` of upstream gradient `grad`.
 struct GradSource {
-  const void* base;
-  int64_t row_stride;
-  int64_t col_stride;
-  int64_t grad;  // which upstream gradient, and its column `col`
+  int64_t grad;
   int64_t col;
+};
+// Element (b, c) of an upstream gradient is at base + b * row_stride + c * col_stride
+// (elements). Strides come straight from the tensor: 0 for broadcast (expanded) rows or
+// columns, anything for transposed or sliced ones; nothing is materialised.
+struct GradView {
+  const void* base = nullptr;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
 };
 
 template <typename scalar_t>
@@ -842,10 +845,23 @@ inline dst_t grad_convert(src_t v) {
   }
 }
 
+// The first element of source `g` in row b.
+template <typename src_t>
+inline const src_t* source_row(const GradSource& g, const GradView* views, int64_t b) {
+  const GradView& v = views[g.grad];
+  return static_cast<const src_t*>(v.base) + b * v.row_stride + g.col * v.col_stride;
+}
+
 // d[c] = sum over sources k, in row order, of s_k[c]; each d[c] written once, float16 /
 // bfloat16 accumulated in float32 and rounded once.
 template <typename dst_t, typename src_t, bool kUnit>
-void sum_sources(dst_t* d, const GradSource* src, int64_t count, int64_t numel, int64_t b) {
+void sum_sources(
+    dst_t* d,
+    const GradSource* src,
+    const GradView* views,
+    int64_t count,
+    int64_t numel,
+    int64_t b) {
   using acc_t = acc_type_t<dst_t>;
   using add_t = add_type_t<dst_t, src_t>;
   constexpr int64_t kChunk = 512;  // fits L1 next to the rows it reads
@@ -853,10 +869,8 @@ void sum_sources(dst_t* d, const GradSource* src, int64_t count, int64_t numel, 
   for (int64_t c0 = 0; c0 < numel; c0 += kChunk) {
     const int64_t n = std::min(kChunk, numel - c0);
     for (int64_t k = 0; k < count; ++k) {
-      const GradSource& g = src[k];
-      const src_t* s = static_cast<const src_t*>(g.base) + b * g.row_stride;
-      const int64_t cs = kUnit ? 1 : g.col_stride;
-      s += c0 * cs;
+      const int64_t cs = kUnit ? 1 : views[src[k].grad].col_stride;
+      const src_t* s = source_row<src_t>(src[k], views, b) + c0 * cs;
       if (k == 0) {
         for (int64_t c = 0; c < n; ++c) acc[c] = static_cast<acc_t>(static_cast<add_t>(s[c * cs]));
       } else {
@@ -869,14 +883,16 @@ void sum_sources(dst_t* d, const GradSource* src, int64_t count, int64_t numel, 
   }
 }
 
-// Gradients of `src_t` into input gradients of `dst_t`: the same type is a byte copy where
-// a block has one source; another (the fused cast's backward) converts each value.
+// The blocks of rows [b0, b1): gradients of `src_t` into input gradients of `dst_t`; the
+// same type is a byte copy where a block has one source, another (the fused cast's
+// backward) converts each value.
 template <typename dst_t, typename src_t>
 void backward_row_range(
     int64_t b0,
     int64_t b1,
     const std::vector<GradBlock>& blocks,
     const std::vector<GradSource>& sources,
+    const GradView* views,
     const std::vector<std::pair<char*, int64_t>>& dsts,  // input gradient: base, row stride
     bool stream) {
   constexpr bool kSame = std::is_same_v<dst_t, src_t>;
@@ -891,7 +907,8 @@ void backward_row_range(
       }
       const GradSource* src = sources.data() + g.first;
       if (g.count == 1) {
-        const src_t* s = static_cast<const src_t*>(src->base) + b * src->row_stride;
+        const src_t* s = source_row<src_t>(*src, views, b);
+        const int64_t cs = views[src->grad].col_stride;
         if (g.unit && kSame) {
           char* dc = reinterpret_cast<char*>(d);
           const char* sc = reinterpret_cast<const char*>(s);
@@ -902,246 +919,73 @@ void backward_row_range(
           }
         } else if (g.unit) {
           for (int64_t c = 0; c < g.numel; ++c) d[c] = grad_convert<dst_t>(s[c]);
-        } else if (src->col_stride == 0) {  // a broadcast row: out.sum() and friends
+        } else if (cs == 0) {  // a broadcast row: out.sum() and friends
           if (stream) {
             stream_fill(d, g.numel, grad_convert<dst_t>(*s));
           } else {
             std::fill_n(d, g.numel, grad_convert<dst_t>(*s));
           }
         } else {
-          const int64_t cs = src->col_stride;
           for (int64_t c = 0; c < g.numel; ++c) d[c] = grad_convert<dst_t>(s[c * cs]);
         }
         continue;
       }
       if (g.unit) {
-        sum_sources<dst_t, src_t, true>(d, src, g.count, g.numel, b);
+        sum_sources<dst_t, src_t, true>(d, src, views, g.count, g.numel, b);
       } else {
-        sum_sources<dst_t, src_t, false>(d, src, g.count, g.numel, b);
+        sum_sources<dst_t, src_t, false>(d, src, views, g.count, g.numel, b);
       }
     }
   }
   if (stream) stream_fence();
 }
 
-// backward_row_range over all rows, on every thread.
-template <typename dst_t, typename src_t>
-void backward_rows(
-    int64_t batch,
-    const std::vector<GradBlock>& blocks,
-    const std::vector<GradSource>& sources,
-    const std::vector<std::pair<char*, int64_t>>& dsts,
-    int64_t bytes_per_row,
-    bool warm) {
-  // Past the caches: streaming stores for copies and fills (sums keep normal stores).
-  const bool stream = use_streaming(
-      batch * bytes_per_row, bytes_per_row / std::max<int64_t>(1, blocks.size()), warm);
-  at::parallel_for(0, batch, grain_rows(bytes_per_row), [&](int64_t b0, int64_t b1) {
-    backward_row_range<dst_t, src_t>(b0, b1, blocks, sources, dsts, stream);
-  });
-}
-
-// Copies from upstream gradients to input gradients (Segment: in_t a gradient, out_t an
-// input gradient; disjoint writes) with the forward's copy program, compiled once per
-// layout and element size (per thread, as the forward's plans).
-void run_copies(
-    const TensorPtrs& grads,
-    const std::vector<Segment>& copies,
-    int64_t batch_size,
-    const at::TensorOptions& options,
-    at::TensorList out,
-    bool warm,
-    const std::function<void(int64_t, int64_t)>& after = {}) {
-  if (batch_size == 0 || copies.empty()) return;
-  // Gradients no copy reads (None, or read by the block loop) stand in as [batch, 0].
-  std::vector<char> read(grads.size(), 0);
-  for (const Segment& c : copies) read[c.in_t] = 1;
-  std::vector<at::Tensor> sources;
-  sources.reserve(grads.size());
-  for (size_t j = 0; j < grads.size(); ++j) {
-    sources.push_back(read[j] ? *grads[j] : at::empty({batch_size, 0}, options));
-  }
-  struct Compiled {
-    std::vector<Segment> copies;
-    int64_t es = 0;
-    std::shared_ptr<const ForwardProgram> program;
-  };
-  thread_local Compiled cache[4];
-  thread_local size_t next = 0;
-  const int64_t es = c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  auto same = [&](const Compiled& c) {
-    return c.program && c.es == es && c.copies.size() == copies.size() &&
-           std::memcmp(c.copies.data(), copies.data(), copies.size() * sizeof(Segment)) == 0;
-  };
-  const Compiled* hit = std::find_if(std::begin(cache), std::end(cache), same);
-  if (hit == std::end(cache)) {
-    Compiled& c = cache[next];
-    next = (next + 1) % std::size(cache);
-    c.program = std::make_shared<const ForwardProgram>(compile_kept(copies, es));
-    c.es = es;
-    c.copies = copies;
-    hit = &c;
-  }
-  const std::shared_ptr<const ForwardProgram> program = hit->program;
-  run_forward(sources, copies, *program, out, warm, after);
-}
-
-// The backward as the forward's copy program run the other way (upstream gradients in,
-// input gradients out), when it is a copy: every input-gradient column takes at most one
-// upstream column (no duplicated keys), of the same dtype, read with unit column stride.
-// Columns no key takes are zeros. What it needs of the plan (the copies, whether they
-// tile the input gradients, the compiled program) is built once per element size and set
-// of given gradients, and kept with the checked plan. Returns false, having written
-// nothing, where the backward is not a copy.
-struct BackwardCopies {
-  int64_t es = 0;
-  std::vector<bool> given;  // which upstream gradients were not None
-  bool disjoint = false;    // false: a duplicated key, so sums (the block loop)
-  bool tiled = false;
+// The backward of a checked plan for one kind of call (dtypes, which upstream gradients
+// are given and which have unit column stride), built once and kept with the plan.
+// Per input: its columns cut at every segment boundary, each piece's sources in row
+// order, neighbouring pieces merged where their sources continue contiguously. Blocks of
+// one unit-stride source of the same dtype are copies, run by the forward's copy program;
+// the rest (sums of duplicated keys, zeros, strided, broadcast and cast sources) by the
+// block loop, right after the copies of their rows while those are in cache.
+struct BackwardPlan {
+  c10::ScalarType dtype, grad_dtype;
+  std::vector<int8_t> kind;  // per upstream gradient: 0 None, 1 unit column stride, 2 other
+  std::vector<GradBlock> blocks;
+  std::vector<GradSource> sources;
+  int64_t block_bytes = 0;      // per row, of `blocks`
   std::vector<Segment> copies;  // in_t: an upstream gradient, out_t: an input gradient
   std::shared_ptr<const ForwardProgram> program;
 };
-struct BackwardPrograms {
+struct BackwardPlans {
   static constexpr size_t kEntries = 4;
-  std::vector<BackwardCopies> entries;
+  std::vector<BackwardPlan> entries;
 };
 
-const BackwardCopies& backward_copies(
-    const CheckedPlan& plan, const TensorPtrs& grads, c10::IntArrayRef in_lengths, int64_t es) {
-  if (!plan.backward) plan.backward = std::make_shared<BackwardPrograms>();
-  auto& entries = static_cast<BackwardPrograms*>(plan.backward.get())->entries;
-  for (const BackwardCopies& e : entries) {
-    if (e.es != es || e.given.size() != grads.size()) continue;
-    bool same = true;
-    for (size_t j = 0; j < grads.size() && same; ++j) same = e.given[j] == (grads[j] != nullptr);
-    if (same) return e;
-  }
-  BackwardCopies e;
-  e.es = es;
-  for (const at::Tensor* g : grads) e.given.push_back(g != nullptr);
-  std::vector<int64_t> covered(in_lengths.size(), 0);
-  for (const Segment& s : plan.segments) {
-    if (grads[s.out_t] == nullptr) continue;
-    e.copies.push_back(Segment{s.out_t, s.in_t, s.out_off, s.in_off, s.length});
-    covered[s.in_t] += s.length;
-  }
-  e.disjoint = writes_disjoint(e.copies);
-  // Disjoint: a gradient whose columns add up to its width is written whole.
-  e.tiled = std::equal(covered.begin(), covered.end(), in_lengths.begin());
-  if (e.disjoint && !e.copies.empty()) {
-    e.program = std::make_shared<const ForwardProgram>(compile_kept(e.copies, es));
-  }
-  if (entries.size() == BackwardPrograms::kEntries) entries.erase(entries.begin());
-  entries.push_back(std::move(e));
-  return entries.back();
-}
-
-bool backward_by_program(
-    const CheckedPlan& plan,
-    const TensorPtrs& grads,
-    c10::IntArrayRef in_lengths,
-    int64_t batch_size,
-    const at::TensorOptions& options,
-    std::vector<at::Tensor>& out) {
-  for (const at::Tensor* g : grads) {
-    if (g && g->size(1) > 1 && g->stride(1) != 1) return false;
-  }
-  const int64_t es = c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  const BackwardCopies& e = backward_copies(plan, grads, in_lengths, es);
-  if (!e.disjoint) return false;
-  bool warm = false;
-  out = new_outputs(batch_size, in_lengths, options, e.tiled, warm);
-  if (batch_size == 0 || e.copies.empty()) return true;
-  ProgramTensors t;
-  PerTensor<at::Tensor> resolved;  // lazy conj/neg gradients, resolved (kept alive here)
-  for (const at::Tensor* g : grads) {
-    if (g && (g->is_conj() || g->is_neg())) {
-      resolved.push_back(rows_readable(*g));
-      g = &resolved.back();
-    }
-    t.in_base.push_back(g ? static_cast<const char*>(g->const_data_ptr()) : nullptr);
-    t.in_stride.push_back(g ? g->stride(0) * es : 0);
-  }
-  for (const at::Tensor& o : out) {
-    t.out_base.push_back(static_cast<char*>(o.data_ptr()));
-    t.out_stride.push_back(o.stride(0) * es);
-  }
-  run_program(batch_size, t, e.copies, *e.program, warm);
-  return true;
-}
-
-std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
-    const c10::List<std::optional<at::Tensor>>& grad_outputs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef in_lengths,
-    int64_t batch_size,
-    c10::ScalarType dtype) {
-  std::vector<std::optional<at::Tensor>> held;
-  const TensorPtrs grads = grad_pointers(grad_outputs, held);
-  const std::shared_ptr<const CheckedPlan> plan = check_backward_plan(
-      "permute_multi_embedding_backward", grads, permutes, in_shapes, out_shapes, in_lengths,
-      batch_size);
-  const std::vector<Segment>& segments = plan->segments;
-  const int64_t n_in = static_cast<int64_t>(in_lengths.size());
-  const std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
-
-  const c10::Device device = gradients_device(grads, permutes);
-  // The gradients' dtype (check_backward: one for all), the dtype's when there are none.
-  c10::ScalarType grad_dtype = dtype;
-  for (const at::Tensor* g : grads) {
-    if (g) grad_dtype = g->scalar_type();
-  }
-  // The same dtype (float or integer), or a cast between float dtypes: the fused cast's
-  // backward (upstream gradients in the output dtype, input gradients in the input's).
-  const bool fast = grad_dtype == dtype
-                        ? is_float(dtype) || c10::isIntegralType(dtype, /*includeBool=*/false)
-                        : is_float(dtype) && is_float(grad_dtype);
-  if (!fast) return backward_by_segments(grads, segments, in_lengths, batch_size, dtype, device);
-  if (grad_dtype == dtype) {
-    std::vector<at::Tensor> out;
-    if (backward_by_program(
-            *plan, grads, in_lengths, batch_size, at::TensorOptions().dtype(dtype).device(device),
-            out)) {
-      return out;
-    }
-  }
-
-  bool warm = false;
-  std::vector<at::Tensor> out = new_outputs(
-      batch_size, in_lengths, at::TensorOptions().dtype(dtype).device(device), /*tiled=*/true,
-      warm);
-  if (batch_size == 0) return out;
-
-  // Gradients are read in place with their own strides (only lazy conj/neg resolved).
-  std::vector<at::Tensor> readable(grads.size());
-  for (size_t j = 0; j < grads.size(); ++j) {
-    if (!grads[j]) continue;
-    readable[j] = resolve_lazy(*grads[j]);
-  }
+BackwardPlan plan_backward(
+    const std::vector<Segment>& segments,
+    c10::IntArrayRef in_widths,
+    c10::ScalarType dtype,
+    c10::ScalarType grad_dtype,
+    std::vector<int8_t> kind) {
+  BackwardPlan p;
+  p.dtype = dtype;
+  p.grad_dtype = grad_dtype;
+  p.kind = std::move(kind);
+  const int64_t n_in = static_cast<int64_t>(in_widths.size());
   const int64_t es = c10::elementSize(dtype);
-  const int64_t grad_es = c10::elementSize(grad_dtype);
-
-  // Per input: cut its columns at every segment boundary, list each piece's sources in
-  // row order, then merge neighbouring pieces whose sources continue contiguously.
-  std::vector<GradBlock> blocks;
-  std::vector<GradSource> sources;
-  std::vector<std::pair<char*, int64_t>> dsts;
-  int64_t bytes_per_row = 0;
   std::vector<std::vector<const Segment*>> by_input(n_in);
   for (const Segment& s : segments) {
-    if (grads[s.out_t] != nullptr) by_input[s.in_t].push_back(&s);
+    if (p.kind[s.out_t] != 0) by_input[s.in_t].push_back(&s);
   }
   struct Piece {
     int64_t out_t;
     int64_t out_off;
   };
+  std::vector<GradBlock> blocks;
+  std::vector<GradSource> sources;
   for (int64_t i = 0; i < n_in; ++i) {
-    dsts.emplace_back(static_cast<char*>(out[i].data_ptr()), out[i].stride(0) * es);
     const int64_t width = in_widths[i];
     if (width == 0) continue;
-    bytes_per_row += width * es;
     const auto& segs = by_input[i];
     std::vector<int64_t> cuts{0, width};
     for (const Segment* s : segs) {
@@ -1179,65 +1023,143 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
       g.count = static_cast<int64_t>(pieces[k].size());
       g.out_i = i;
       g.unit = true;
-      for (const Piece& p : pieces[k]) {
-        const at::Tensor& src = readable[p.out_t];
-        const int64_t cs = src.stride(1);
-        g.unit = g.unit && (cs == 1 || g.numel == 1);
-        sources.push_back(GradSource{
-            static_cast<const char*>(src.const_data_ptr()) + p.out_off * cs * grad_es,
-            src.stride(0), cs, p.out_t, p.out_off});
+      for (const Piece& q : pieces[k]) {
+        g.unit = g.unit && (p.kind[q.out_t] == 1 || g.numel == 1);
+        sources.push_back(GradSource{q.out_t, q.out_off});
       }
       blocks.push_back(g);
       k = end;
     }
   }
+  for (const GradBlock& g : blocks) {
+    const GradSource& src = sources[g.first];
+    if (dtype == grad_dtype && g.count == 1 && g.unit && p.kind[src.grad] == 1) {
+      p.copies.push_back(Segment{src.grad, g.out_i, src.col, g.dst_off, g.numel});
+      continue;
+    }
+    GradBlock r = g;
+    r.first = static_cast<int64_t>(p.sources.size());
+    p.sources.insert(
+        p.sources.end(), sources.begin() + g.first, sources.begin() + g.first + g.count);
+    p.blocks.push_back(r);
+    p.block_bytes += g.numel * es;
+  }
+  if (!p.copies.empty()) {
+    p.program = std::make_shared<const ForwardProgram>(compile_kept(p.copies, es));
+  }
+  return p;
+}
+
+// The plan's BackwardPlan for this call, built on first use.
+const BackwardPlan& backward_plan(
+    const CheckedPlan& plan,
+    const std::vector<at::Tensor>& grads,  // undefined: None
+    c10::IntArrayRef in_widths,
+    c10::ScalarType dtype,
+    c10::ScalarType grad_dtype) {
+  std::vector<int8_t> kind(grads.size(), 0);
+  for (size_t j = 0; j < grads.size(); ++j) {
+    if (grads[j].defined()) kind[j] = grads[j].size(1) <= 1 || grads[j].stride(1) == 1 ? 1 : 2;
+  }
+  if (!plan.backward) plan.backward = std::make_shared<BackwardPlans>();
+  auto& entries = static_cast<BackwardPlans*>(plan.backward.get())->entries;
+  for (const BackwardPlan& e : entries) {
+    if (e.dtype == dtype && e.grad_dtype == grad_dtype && e.kind == kind) return e;
+  }
+  if (entries.size() == BackwardPlans::kEntries) entries.erase(entries.begin());
+  entries.push_back(plan_backward(plan.segments, in_widths, dtype, grad_dtype, std::move(kind)));
+  return entries.back();
+}
+
+// The block loop of `p` over rows [0, batch), on every thread.
+template <typename dst_t, typename src_t>
+void backward_rows(
+    int64_t batch,
+    const BackwardPlan& p,
+    const GradView* views,
+    const std::vector<std::pair<char*, int64_t>>& dsts,
+    bool warm) {
+  // Past the caches: streaming stores for copies and fills (sums keep normal stores).
+  const bool stream = use_streaming(
+      batch * p.block_bytes, p.block_bytes / std::max<int64_t>(1, p.blocks.size()), warm);
+  at::parallel_for(0, batch, grain_rows(p.block_bytes), [&](int64_t b0, int64_t b1) {
+    backward_row_range<dst_t, src_t>(b0, b1, p.blocks, p.sources, views, dsts, stream);
+  });
+}
+
+std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
+    const c10::List<std::optional<at::Tensor>>& grad_outputs,
+    const at::Tensor& permutes,
+    const at::Tensor& in_shapes,
+    const at::Tensor& out_shapes,
+    c10::IntArrayRef in_lengths,
+    int64_t batch_size,
+    c10::ScalarType dtype) {
+  std::vector<std::optional<at::Tensor>> held;
+  const TensorPtrs grads = grad_pointers(grad_outputs, held);
+  const std::shared_ptr<const CheckedPlan> plan = check_backward_plan(
+      "permute_multi_embedding_backward", grads, permutes, in_shapes, out_shapes, in_lengths,
+      batch_size);
+  const c10::Device device = gradients_device(grads, permutes);
+  // The gradients' dtype (check_backward: one for all), the dtype's when there are none.
+  c10::ScalarType grad_dtype = dtype;
+  for (const at::Tensor* g : grads) {
+    if (g) grad_dtype = g->scalar_type();
+  }
+  // The same dtype (float or integer), or a cast between float dtypes: the fused cast's
+  // backward (upstream gradients in the output dtype, input gradients in the input's).
+  const bool fast = grad_dtype == dtype
+                        ? is_float(dtype) || c10::isIntegralType(dtype, /*includeBool=*/false)
+                        : is_float(dtype) && is_float(grad_dtype);
+  if (!fast) {
+    return backward_by_segments(grads, plan->segments, in_lengths, batch_size, dtype, device);
+  }
+  bool warm = false;
+  const at::TensorOptions options = at::TensorOptions().dtype(dtype).device(device);
+  std::vector<at::Tensor> out = new_outputs(batch_size, in_lengths, options, /*tiled=*/true, warm);
+  if (batch_size == 0) return out;
+
+  // Gradients are read in place with their own strides (only lazy conj/neg resolved).
+  std::vector<at::Tensor> readable(grads.size());
+  for (size_t j = 0; j < grads.size(); ++j) {
+    if (grads[j]) readable[j] = resolve_lazy(*grads[j]);
+  }
+  const BackwardPlan& p = backward_plan(*plan, readable, in_lengths, dtype, grad_dtype);
+  const int64_t es = c10::elementSize(dtype);
+  std::vector<GradView> views(readable.size());
+  ProgramTensors t;
+  for (size_t j = 0; j < readable.size(); ++j) {
+    const at::Tensor& g = readable[j];
+    if (g.defined()) views[j] = GradView{g.const_data_ptr(), g.stride(0), g.stride(1)};
+    t.in_base.push_back(static_cast<const char*>(views[j].base));
+    t.in_stride.push_back(views[j].row_stride * es);
+  }
+  std::vector<std::pair<char*, int64_t>> dsts;
+  for (const at::Tensor& o : out) {
+    dsts.emplace_back(static_cast<char*>(o.data_ptr()), o.stride(0) * es);
+    t.out_base.push_back(dsts.back().first);
+    t.out_stride.push_back(dsts.back().second);
+  }
   if (grad_dtype == dtype) {
-    // Blocks of one source with unit stride go to the copy program; sums (duplicated
-    // keys), zeros, strided and broadcast sources to the block loop, which then writes
-    // only their columns.
-    std::vector<Segment> copies;
-    std::vector<GradBlock> rest;
-    int64_t rest_bytes = 0;  // per row
-    auto unit_columns = [&](int64_t j) {
-      return readable[j].size(1) <= 1 || readable[j].stride(1) == 1;
-    };
-    for (const GradBlock& g : blocks) {
-      const GradSource& src = sources[g.first];
-      if (g.count == 1 && g.unit && unit_columns(src.grad)) {
-        copies.push_back(Segment{src.grad, g.out_i, src.col, g.dst_off, g.numel});
-      } else {
-        rest.push_back(g);
-        rest_bytes += g.numel * es;
-      }
-    }
-    TensorPtrs grad_ptrs(readable.size());
-    for (size_t j = 0; j < readable.size(); ++j) {
-      grad_ptrs[j] = readable[j].defined() ? &readable[j] : nullptr;
-    }
     AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
-      if (copies.empty()) {
-        return backward_rows<scalar_t, scalar_t>(batch_size, rest, sources, dsts, rest_bytes, warm);
-      }
-      // The rest of each row right after its copies, while the row is in cache.
+      if (!p.program)
+        return backward_rows<scalar_t, scalar_t>(batch_size, p, views.data(), dsts, warm);
       std::function<void(int64_t, int64_t)> after;
-      if (!rest.empty()) {
+      if (!p.blocks.empty()) {
         after = [&](int64_t b0, int64_t b1) {
-          backward_row_range<scalar_t, scalar_t>(b0, b1, rest, sources, dsts, /*stream=*/false);
+          backward_row_range<scalar_t, scalar_t>(
+              b0, b1, p.blocks, p.sources, views.data(), dsts, /*stream=*/false);
         };
       }
-      run_copies(
-          grad_ptrs, copies, batch_size, at::TensorOptions().dtype(dtype).device(device), out, warm,
-          after);
+      run_program(batch_size, t, p.copies, *p.program, warm, after);
     });
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, dtype, "kt_regroup_backward_cpu", [&] {
           using dst_t = scalar_t;
           AT_DISPATCH_FLOATING_TYPES_AND2(
-              at::kHalf, at::kBFloat16, grad_dtype, "kt_regroup_backward_cpu", [&] {
-                backward_rows<dst_t, scalar_t>(
-                    batch_size, blocks, sources, dsts, bytes_per_row, warm);
-              });
+              at::kHalf, at::kBFloat16, grad_dtype, "kt_regroup_backward_cpu",
+              [&] { backward_rows<dst_t, scalar_t>(batch_size, p, views.data(), dsts, warm); });
         });
   }
   return out;
