@@ -361,7 +361,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
 from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor  # noqa: E402
 
-from kt_regroup.functional import VariableBatchKeyedTensor  # noqa: E402
+from kt_regroup.vbe import VariableBatchKeyedTensor  # noqa: E402
 
 FEATURES = {"user": (4, 3), "hist": (8, 2), "item": (6, 5), "ctx": (3, 1)}  # name: (dim, rows)
 GROUPS = [["hist", "user"], ["item", "hist", "ctx"]]
@@ -454,16 +454,16 @@ def test_patched_vbe_keyed_tensor_expands_when_read():
 
 
 def test_per_key_outputs_of_a_plain_kjt_equal_the_ebc():
-    """The bench's no-cat row (issue 23, item 3): ``_forward_rows`` on a KJT without
+    """The bench's no-cat row (issue 23, item 3): ``forward_rows`` on a KJT without
     inverse indices is the EBC's output, per key, indices None."""
-    from kt_regroup.patch import _forward_rows
+    from kt_regroup.vbe import forward_rows
 
     torch.manual_seed(0)
     ebc = VbeModel(tr_regroup.KTRegroupAsDict).ebc
     plain = KeyedJaggedTensor.from_lengths_sync(
         list(FEATURES), torch.arange(12) % 10, torch.tensor([1, 2, 0] * 4)
     )
-    got, want = _forward_rows(ebc, plain), ebc(plain)
+    got, want = forward_rows(ebc, plain), ebc(plain)
     assert got.indices == [None] * len(FEATURES) and got._expanded is None
     out = kt_regroup.KTRegroupAsDict(GROUPS, ["a", "b"])([got])
     ref = tr_regroup.KTRegroupAsDict(GROUPS, ["a", "b"])([want])
