@@ -1,54 +1,16 @@
 """Run models written against torchrec's names on kt_regroup: :func:`patch_torchrec`.
 
-``patch_torchrec()`` routes torchrec's regroup entry points to kt_regroup, in place:
+``patch_torchrec()`` rebinds, in ``torchrec*`` modules, torchrec's ``KTRegroupAsDict``,
+``KeyedTensor.regroup`` / ``regroup_as_dict``, the ``jagged_tensor`` regroup helpers and
+``_kt_regroup_arguments`` to kt_regroup's, and installs the variable-batch forwards of
+:mod:`kt_regroup.vbe` (the ``EmbeddingBagCollection``'s and the sharded one's wait).
+Names are swapped, not objects: patch before building the model. ``unpatch_torchrec()``
+restores every original. What is and is not swapped: docs/torchrec.md.
 
-* ``KTRegroupAsDict``, in ``torchrec.modules.regroup`` and in every imported ``torchrec*``
-  module that bound the name -> ``kt_regroup.KTRegroupAsDict``;
-* ``KeyedTensor.regroup`` / ``regroup_as_dict`` -> ``kt_regroup.regroup`` /
-  ``kt_regroup.regroup_as_dict``;
-* ``jagged_tensor._regroup_keyed_tensors``, ``permute_multi_embedding``, ``regroup_kts``,
-  ``_fbgemm_permute_pooled_embs`` -> ``kt_regroup.regroup``;
-* ``_kt_regroup_arguments`` (``jagged_tensor``, ``modules.regroup``) ->
-  ``kt_regroup.kt_regroup_arguments`` (the same rows);
-* ``EmbeddingBagCollection.forward`` with a variable-batch KJT (``inverse_indices``)
-  returns a :class:`kt_regroup.VariableBatchKeyedTensor`: the pooled rows, expanded
-  only when something reads its values; the regroups read the rows directly. Under fx
-  tracing, TorchScript, torch.compile and export it is torchrec's forward;
-* the sharded ``EmbeddingBagCollection``'s variable-batch output under
-  ``DistributedModelParallel`` (``VariableBatchEmbeddingBagCollectionAwaitable._wait_impl``;
-  table-wise, column-wise and row-wise shards) is a
-  :class:`kt_regroup.VariableBatchKeyedTensor` too, made of the rows the output
-  all-to-all delivers (a column-wise key's shards joined along the columns, at its row
-  count). A layout it does not know (data-parallel shards, whose variable-batch output
-  torchrec itself fails to expand) gets torchrec's expansion, and so does a wait under fx
-  tracing, torch.compile or export. A graph that keeps the sharded EBC as a leaf
-  (torchrec's train pipeline) is the graph it is unpatched, and gets the lazy form when
-  it runs.
-
-What is swapped and what is not:
-
-* names are swapped, not objects: a ``KTRegroupAsDict`` constructed after patching is
-  kt_regroup's; one constructed before stays torchrec's, and computes as torchrec does:
-  patch before you build the model;
-* only ``torchrec*`` modules are rebound. A module of yours that did
-  ``from torchrec.modules.regroup import KTRegroupAsDict`` before patching keeps
-  torchrec's class: patch first, or
-  refer to ``torchrec.modules.regroup.KTRegroupAsDict`` at call time;
-* ``unpatch_torchrec()`` restores every original, including in ``torchrec*`` modules
-  imported while patched. Modules constructed while patched stay kt_regroup's;
-* what was captured before (a scripted module, an fx graph, a compiled or exported
-  program) keeps what it captured; captures made while patched keep kt_regroup's.
-  TorchScript reuses the code it compiled for a module class: a class scripted before
-  patching keeps its unpatched ``KeyedTensor.regroup`` calls in later scripts too;
-* ``patch_torchrec()`` also makes the registrations kt_regroup's module needs in
-  torchrec and torch: :func:`kt_regroup.register_ir_serializer` (torchrec.ir, where
-  installed) and :func:`kt_regroup.register_keyed_tensor_pytree` (``KeyedTensor`` as a
-  ``torch.export`` input). ``import kt_regroup`` makes none of them.
-
-Every replacement stays traceable: the ``KeyedTensor`` methods call kt_regroup's
-functions through names that are ``torch.fx.wrap``-ed here (so fx and torchrec's
-tracer record one call, as for torchrec's), the ``jagged_tensor`` helpers keep torchrec's
-own wrapping, and all of them are TorchScript-able, compile and export.
+Every replacement stays traceable: each calls kt_regroup's functions through names that
+are ``torch.fx.wrap``-ed here (fx and torchrec's tracer record one call, as for
+torchrec's), the ``jagged_tensor`` helpers keep torchrec's own wrapping, and all of them
+are TorchScript-able, compile and export.
 """
 
 import logging

@@ -27,6 +27,8 @@ import torchrec.modules.embedding_modules as _tr_ebc
 from torchrec.distributed.types import NoWait
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from kt_regroup.keyed_tensor_pytree import _unflatten
+
 __all__ = ["VariableBatchKeyedTensor", "regroup_rows"]
 
 
@@ -95,10 +97,6 @@ class VariableBatchKeyedTensor(KeyedTensor):
 
 
 _EXPAND_LOCK = threading.RLock()
-
-
-def _unflatten(values: List[torch.Tensor], context: Tuple[List[str], List[int]]) -> KeyedTensor:
-    return KeyedTensor(list(context[0]), list(context[1]), values[0])
 
 
 # As torchrec's KeyedTensor: one leaf, the values (pytree finds nodes by exact type).
