@@ -304,9 +304,9 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         if not torch.jit.is_scripting() and not in_graph():
             return self._eager(keyed_tensors)
         # a graph: the module's state stays; a differing layout is computed uncached
-        plan = self._buffered_plan() if torch.jit.is_scripting() else self._plan
         return regroup_with_plan(
-            keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device, plan, False
+            keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device,
+            self._buffered_plan(), False,
         )
 
     @torch.jit.unused

@@ -429,6 +429,38 @@ def test_patched_vbe_ebc_equals_unpatched_torchrec(regroup):
     _same(got[1], want[1])
 
 
+def test_patched_vbe_weighted_ebc_with_shared_features_equals_unpatched_torchrec():
+    """The rows forward is torchrec's own forward code: per-sample weights and a feature
+    read by two tables (torchrec's ``feature@table`` names) come out as torchrec's."""
+
+    def model():
+        torch.manual_seed(1)
+        ebc = EmbeddingBagCollection(
+            [EmbeddingBagConfig(num_embeddings=10, embedding_dim=3, name="t0", feature_names=["user", "item"]),
+             EmbeddingBagConfig(num_embeddings=10, embedding_dim=2, name="t1", feature_names=["user"])],
+            is_weighted=True,
+        )
+        return ebc, tr_regroup.KTRegroupAsDict([["item", "user@t1"], ["user@t0"]], ["a", "b"])
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([1, 2, 0, 2, 1])  # user: 3 rows, item: 2 rows
+    kjt = KeyedJaggedTensor(
+        keys=["user", "item"], values=torch.randint(0, 10, (6,), generator=g),
+        lengths=lengths, weights=torch.rand(6, generator=g),
+        stride_per_key_per_rank=[[3], [2]],
+        inverse_indices=(["user", "item"], torch.tensor([[0, 2, 1, 2], [1, 0, 0, 1]])),
+    )
+    ebc, regroup = model()
+    want = regroup([ebc(kjt)])
+    with kt_regroup.patch_torchrec():
+        ebc, regroup = model()
+        kt = ebc(kjt)
+        assert isinstance(kt, VariableBatchKeyedTensor) and kt._expanded is None
+        got = regroup([kt])
+        assert kt._expanded is None
+    _same(list(got.values()), list(want.values()))
+
+
 def test_patched_vbe_keyed_tensor_expands_when_read():
     torch.manual_seed(0)
     ebc = VbeModel(tr_regroup.KTRegroupAsDict).ebc
