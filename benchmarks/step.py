@@ -117,7 +117,7 @@ def _check(regroups, keys, lengths, batch, over, grad) -> Dict[str, str]:
     ref = None
     for row in (FALLBACK, *[r for r in regroups if r not in (FALLBACK, *results)]):
         leaves = [v.clone().requires_grad_() for v in values]
-        outs = regroups[row]([  # NO_CAT: per-key tensors, as _forward_rows makes them
+        outs = regroups[row]([  # NO_CAT: per-key tensors, as forward_rows makes them
             VariableBatchKeyedTensor(k, w, list(v.split(w, 1)), [None] * len(k))
             if row == NO_CAT else KeyedTensor(keys=k, length_per_key=w, values=v)
             for k, w, v in zip(keys, lengths, leaves)])
@@ -174,7 +174,7 @@ def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: i
     opt = torch.optim.SGD(params, lr=1e-3)
     checks = _check(regroups, keys, lengths, min(batch, 64), over, grad)
 
-    from kt_regroup.patch import _forward_rows  # the EBC without its cat
+    from kt_regroup.vbe import forward_rows  # the EBC without its cat
 
     def make_step(regroup, head, ebc_forward):
         def step():
@@ -185,7 +185,7 @@ def run_variant(variant: str, *, sizes: dict, batch: int, rounds: int, warmup: i
         return step
 
     steps = {r: make_step(regroups[r], over_none if r == NONE else over,
-                          _forward_rows if r == NO_CAT else EmbeddingBagCollection.__call__)
+                          forward_rows if r == NO_CAT else EmbeddingBagCollection.__call__)
              for r in rows}
     samples = interleaved(steps, rounds, warmup=warmup, max_rounds={FBGEMM: fbgemm_steps})
     peaks = {r: peak_rss(s) for r, s in steps.items() if r != FBGEMM}  # FBGEMM: seconds

@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "KTRegroupAsDict": "kt_regroup.module",
-    "VariableBatchKeyedTensor": "kt_regroup.functional",
+    "VariableBatchKeyedTensor": "kt_regroup.vbe",
     "regroup": "kt_regroup.functional",
     "regroup_as_dict": "kt_regroup.functional",
     "patch_torchrec": "kt_regroup.patch",

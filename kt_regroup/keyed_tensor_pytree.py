@@ -1,24 +1,15 @@
 """``KeyedTensor`` as a ``torch.export`` input.
 
 torchrec registers ``KeyedTensor`` as a pytree node (leaf ``_values``, context
-``(keys, length_per_key)``) but with no ``flatten_with_keys_fn``, which ``torch.export``
-needs for every input container, and with no context (de)serializer, so the context of
-a saved program loads back as a list and the loaded program rejects every input.
-:func:`register_keyed_tensor_pytree` (called by :func:`kt_regroup.patch_torchrec`, or
-by you before exporting) fills in what is missing, and only that:
-
-* torchrec's node lacks them (torchrec 1.9.2): the node is kept, torchrec's flatten,
-  unflatten and serialized name included; the keys function and the context
-  (de)serializer are added. Saved files are unchanged (the context is written as the
-  same JSON text as before);
-* the node already has them (a later torchrec): nothing changes;
-* no node at all: one is registered, with torchrec's layout and serialized name.
-
-torchrec makes its registration while ``torchrec.sparse.jagged_tensor`` is imported, and
-this module imports that first, so ours never comes before torchrec's. It also allows
-``KeyedTensor`` in ``torch.load(weights_only=True)`` (an exported program saves its
-example inputs that way; ``KeyedTensor`` holds only lists, ints and tensors).
-:func:`register_keyed_tensor_pytree` is idempotent.
+``(keys, length_per_key)``) without the ``flatten_with_keys_fn`` that ``torch.export``
+needs for every input container, and without a context (de)serializer (a saved
+program's context loads back as a list, and the loaded program rejects every input).
+:func:`register_keyed_tensor_pytree` (called by :func:`kt_regroup.patch_torchrec`, or by
+you before exporting) adds only what is missing, keeping torchrec's flatten, unflatten
+and serialized name (saved files are unchanged), registers a node of torchrec's layout
+where there is none, and allows ``KeyedTensor`` in ``torch.load(weights_only=True)``
+(an exported program saves its example inputs that way). This module imports
+``torchrec.sparse.jagged_tensor`` first, so it never registers before torchrec does.
 """
 
 import json

@@ -1,152 +1,206 @@
 """``KTRegroupAsDict``: drop-in for ``torchrec.modules.regroup.KTRegroupAsDict``.
 
-The first eager forward builds a :class:`RegroupPlanModule` (the plan of the inputs'
-layout); every call runs ``regroup_with_plan`` (kt_regroup/functional.py, an fx leaf).
-Three routes: eager with a matching plan (variable-batch inputs included: such a plan
-reads them as pooled rows); eager with a cold or stale one (rebuilt and
-swapped in with one assignment, so threads never see half a plan and the warm path takes
-no lock); a graph (fx, TorchScript, ``torch.compile``, ``torch.export``), where the
-module's state stays as it is and the call checks the layout itself.
+The module keeps one :class:`Plan` of its inputs' layout, built on the first eager
+forward. Every call runs :func:`regroup_with_plan` (an fx leaf), by one of three routes:
+
+* eager: a call whose layout the plan does not serve (the first, or keys, widths or
+  kind of input changed) builds a new plan and swaps it in with one assignment, so
+  threads never see half a plan and the warm path takes no lock; then one fused op;
+* eager, variable-batch inputs (:mod:`kt_regroup.vbe`): the same, and the op reads the
+  pooled rows (``permute_multi_embedding_vbe``);
+* a graph (fx, TorchScript, ``torch.compile``, ``torch.export``): the module's state
+  stays as it is, and the call checks the layout itself (a different one is computed
+  with an uncached plan).
 """
 
 import logging
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
-import torch.fx._symbolic_trace as _fx_trace
 from torchrec.modules.embedding_configs import data_type_to_dtype, dtype_to_data_type
 from torchrec.sparse.jagged_tensor import KeyedTensor
 from torchrec.types import CacheMixin, DataType
 
-from kt_regroup.functional import (
-    Plan,
-    _rows_of,
-    _waited,
-    has_pooled_rows,
-    layout,
-    matches,
-    regroup_with_plan,
-    rows_layout,
-)
+from kt_regroup.functional import layout, permute
 from kt_regroup.plan import get_plan
+from kt_regroup.vbe import (
+    has_pooled_rows,
+    in_graph,
+    permute_rows,
+    reads_rows,
+    rows_layout,
+    some_data,
+    waited,
+)
 
 # Host work, run outside Dynamo: a layout error stays the library's own under torch.compile
-# (torch 2.11 wraps errors raised while tracing in TorchRuntimeError). torchrec, imported
-# above, has loaded Dynamo already, so this costs `import kt_regroup.module` nothing.
+# (torch 2.11 wraps errors raised while tracing in TorchRuntimeError).
 _get_plan = torch.compiler.disable(get_plan)
-torch.fx.wrap("regroup_with_plan")  # a leaf of fx graphs here too (fx patches by module)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KTRegroupAsDict", "RegroupPlanModule"]
+__all__ = ["KTRegroupAsDict", "Plan"]
 
 
-class RegroupPlanModule(torch.nn.Module):
-    """The plan of one input layout, its tensors as non-persistent buffers (they follow
-    ``.to()`` and DMP's device moves, and stay out of ``state_dict``)."""
+class Plan(NamedTuple):
+    """The plan a :class:`KTRegroupAsDict` keeps: a :class:`~kt_regroup.RegroupPlan`'s
+    tensors on the module's device, and how the module's inputs map onto it.
 
-    __jit_ignored_attributes__ = ["_host", "_warm"]
+    ``in_keys``, ``in_lengths``, ``key_dim``: the inputs' layout it serves. ``views``
+    (``allow_views``): per group ``[input, offset, width]`` for a group returned as a view,
+    ``[-1, 0, 0]`` for one the op copies (the permute tensors then cover those only);
+    empty without views. ``rows`` (variable-batch inputs): per input, whether the op reads
+    its pooled rows, one op input per key; empty without such inputs.
+    """
 
     in_keys: List[List[str]]
     in_lengths: List[List[int]]
     key_dim: int
+    permutes: torch.Tensor
+    in_shapes: torch.Tensor
+    out_shapes: torch.Tensor
     out_lengths: List[int]
     views: List[List[int]]
     rows: List[bool]
 
-    def __init__(
-        self,
-        keyed_tensors: Optional[List[KeyedTensor]] = None,
-        groups: Optional[List[List[str]]] = None,
-        allow_views: bool = False,
-    ) -> None:
-        super().__init__()
-        self.in_keys, self.in_lengths, self.key_dim = [], [], 1
-        self.out_lengths, self.views, self.rows = [], [], []
-        tensors = (torch.empty(0, 6, dtype=torch.int32),) + (torch.empty(0, dtype=torch.int32),) * 2
-        device = torch.device("cpu")
-        if keyed_tensors is not None and groups is not None:
-            keys, lengths, self.key_dim = layout(keyed_tensors, "KTRegroupAsDict")
-            self.in_keys = [list(k) for k in keys]
-            self.in_lengths = [list(n) for n in lengths]
-            if has_pooled_rows(keyed_tensors):  # variable-batch: the op takes rows per key
-                self.rows, keys, lengths = rows_layout(keyed_tensors)
-            plan = _get_plan(keys, lengths, groups)  # layout errors
-            if allow_views and self.key_dim == 1 and len(self.rows) == 0:
-                specs = plan.view_specs()
-                if any(s is not None for s in specs):
-                    self.views = [[-1, 0, 0] if s is None else list(s) for s in specs]
-                    plan = plan.restricted([j for j, s in enumerate(specs) if s is None])
-            self.out_lengths = list(plan.out_lengths)
-            tensors = plan.tensors()
-            device = _some_data(keyed_tensors[0]).device
-        # The truth on the host, for _apply; the buffers follow the module's device.
-        self._host = tensors
-        for name, t in zip(_BUFFERS, tensors):
-            self.register_buffer(name, t.to(device, copy=True), persistent=False)
-        self._warm = self.plan()  # what the eager route reads
 
-    def plan(self) -> Plan:
-        return Plan(
-            self.in_keys, self.in_lengths, self.key_dim, self._permutes, self._in_shapes,
-            self._out_shapes, self.out_lengths, self.views, self.rows,
-        )
+def _empty_tensors() -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    empty = torch.empty(0, dtype=torch.int32)
+    return empty.new_empty(0, 6), empty, empty.clone()
 
-    def matches(self, keyed_tensors: List[KeyedTensor]) -> bool:
-        """Whether this plan serves ``keyed_tensors``: the keys and widths it was built
-        for, the same inputs read as pooled rows, and buffers that hold values (not meta)
-        wherever the data is."""
-        if not (
-            isinstance(keyed_tensors, (list, tuple))
-            and matches(keyed_tensors, self.in_keys, self.in_lengths, self.key_dim)
+
+def _build(keyed_tensors: List[KeyedTensor], groups: List[List[str]], allow_views: bool):
+    """The :class:`Plan` of the inputs' layout, on their device, and its host tensors."""
+    keys, lengths, key_dim = layout(keyed_tensors, "KTRegroupAsDict")
+    in_keys, in_lengths = [list(k) for k in keys], [list(n) for n in lengths]
+    rows: List[bool] = []
+    if has_pooled_rows(keyed_tensors):
+        rows, keys, lengths = rows_layout(keyed_tensors)
+    plan = _get_plan(keys, lengths, groups)  # layout errors
+    views: List[List[int]] = []
+    if allow_views and key_dim == 1 and not rows:
+        specs = plan.view_specs()
+        if any(s is not None for s in specs):
+            views = [[-1, 0, 0] if s is None else list(s) for s in specs]
+            plan = plan.restricted([j for j, s in enumerate(specs) if s is None])
+    host = plan.tensors()
+    device = some_data(keyed_tensors[0]).device
+    tensors = [t.to(device, copy=True) for t in host]
+    return Plan(in_keys, in_lengths, key_dim, *tensors, list(plan.out_lengths), views, rows), host
+
+
+def matches(
+    keyed_tensors: List[KeyedTensor], in_keys: List[List[str]], in_lengths: List[List[int]],
+    key_dim: int,
+) -> bool:
+    """Whether ``keyed_tensors`` have a plan's keys, widths and key_dim (the same list
+    object every step compares by identity first; tuples compare as lists)."""
+    if len(keyed_tensors) != len(in_keys) or len(in_keys) == 0:
+        return False
+    for i, kt in enumerate(keyed_tensors):
+        if kt.key_dim() != key_dim:
+            return False
+        keys = kt.keys()
+        if keys != in_keys[i] and (isinstance(keys, list) or list(keys) != in_keys[i]):
+            return False
+        lengths = kt.length_per_key()
+        if lengths != in_lengths[i] and (
+            isinstance(lengths, list) or list(lengths) != in_lengths[i]
         ):
             return False
-        rows = self.rows
-        if len(rows) == 0:
-            if has_pooled_rows(keyed_tensors):
-                return False
-        elif [_rows_of(_waited(kt)) for kt in keyed_tensors] != rows:
+    return True
+
+
+@torch.jit.unused
+def _serves(plan: Plan, keyed_tensors: List[KeyedTensor]) -> bool:
+    """Whether ``plan`` serves ``keyed_tensors`` in eager: their keys and widths, the same
+    inputs read as pooled rows, and tensors that hold values (not meta) wherever the data is."""
+    if not (
+        isinstance(keyed_tensors, (list, tuple))
+        and matches(keyed_tensors, plan.in_keys, plan.in_lengths, plan.key_dim)
+    ):
+        return False
+    if len(plan.rows) == 0:
+        if has_pooled_rows(keyed_tensors):
             return False
-        return not self._warm.permutes.is_meta or _some_data(keyed_tensors[0]).is_meta
+    elif [reads_rows(waited(kt)) for kt in keyed_tensors] != plan.rows:
+        return False
+    return not plan.permutes.is_meta or some_data(keyed_tensors[0]).is_meta
 
-    def _apply(self, fn, recurse=True):
-        # to_empty() and .type() would spoil the plan: buffers are rebuilt from the host copy
-        super()._apply(fn, recurse)
-        for name, host in zip(_BUFFERS, self._host):
-            buf = self._buffers[name]
-            if not buf.is_meta and (buf.dtype != host.dtype or not torch.equal(buf.cpu(), host)):
-                self._buffers[name] = host.to(buf.device, copy=True)
-        self._warm = self.plan()
-        return self
 
-    @torch.jit.export
-    def set_device(self, device: str) -> None:
-        self._permutes = self._permutes.to(device)
-        self._in_shapes = self._in_shapes.to(device)
-        self._out_shapes = self._out_shapes.to(device)
-        if not torch.jit.is_scripting():
-            self._warm = self.plan()
+def _check_one_dtype(values: List[torch.Tensor]) -> None:
+    for i, v in enumerate(values):
+        if v.dtype != values[0].dtype:
+            raise TypeError(
+                f"KTRegroupAsDict: input {i} is {v.dtype} but input 0 is {values[0].dtype}; "
+                "set emb_dtype to regroup them into one dtype (the cast is fused into the copy)"
+            )
+
+
+def _to(tensors: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+    return [t.to(device, non_blocking=True) for t in tensors]
+
+
+@torch.fx.wrap
+def regroup_with_plan(
+    keyed_tensors: List[KeyedTensor],
+    groups: List[List[str]],
+    names: List[str],
+    dtype: Optional[torch.dtype],
+    multi_device: bool,
+    plan: Plan,
+    checked: bool,
+) -> Dict[str, torch.Tensor]:
+    """The regroup with ``plan`` (``checked``: known to serve the inputs), or with an
+    uncached plan where the inputs' layout differs from it."""
+    tensors = [plan.permutes, plan.in_shapes, plan.out_shapes]
+    if not torch.jit.is_scripting() and checked and len(plan.rows) > 0:
+        if multi_device:
+            tensors = _to(tensors, some_data(keyed_tensors[0]).device)
+        outs = permute_rows(keyed_tensors, plan.rows, tensors[0], tensors[1], tensors[2],
+                            plan.out_lengths)
+        return {name: o if dtype is None else o.to(dtype) for name, o in zip(names, outs)}
+    values = [kt.values() for kt in keyed_tensors]
+    if dtype is None:
+        _check_one_dtype(values)
+    out_lengths, views, key_dim = plan.out_lengths, plan.views, plan.key_dim
+    if not checked and (
+        len(plan.rows) > 0 or not matches(keyed_tensors, plan.in_keys, plan.in_lengths, key_dim)
+    ):
+        keys, lengths, key_dim = layout(keyed_tensors, "KTRegroupAsDict")
+        permutes, in_shapes, out_shapes, out_lengths = torch.ops.kt_regroup.kt_regroup_arguments(
+            values[0], keys, lengths, groups
+        )
+        tensors = [permutes, in_shapes, out_shapes]
+        views = torch.jit.annotate(List[List[int]], [])
+    elif multi_device:
+        tensors = _to(tensors, values[0].device)
+    copied = torch.jit.annotate(List[torch.Tensor], [])
+    if len(out_lengths) > 0 or len(views) == 0:
+        copied = permute(values, tensors[0], tensors[1], tensors[2], out_lengths, key_dim, dtype)
+    if len(views) == 0:
+        return {name: copied[j] for j, name in enumerate(names)}
+    out: Dict[str, torch.Tensor] = {}
+    k = 0
+    for j, spec in enumerate(views):
+        if spec[0] < 0:
+            out[names[j]] = copied[k]
+            k += 1
+        else:
+            view = values[spec[0]].narrow(1, spec[1], spec[2])
+            out[names[j]] = view if dtype is None else view.to(dtype)
+    return out
 
 
 _BUFFERS = ("_permutes", "_in_shapes", "_out_shapes")
 
 
-def _some_data(kt: KeyedTensor) -> torch.Tensor:
-    """A tensor of ``kt``'s data, on its device (pooled rows are not expanded for it)."""
-    kt = _waited(kt)
-    return kt.pooled[0] if _rows_of(kt) and len(kt.pooled) > 0 else kt.values()
-
-
-def _in_graph() -> bool:
-    """True under fx tracing (torchrec's tracer, ``torch.fx.symbolic_trace``) and
-    ``torch.compile`` / ``torch.export``."""
-    return _fx_trace._is_fx_tracing_flag or torch.compiler.is_compiling()
-
-
 class KTRegroupAsDict(torch.nn.Module, CacheMixin):
     """Regroups a list of ``KeyedTensor``s into named groups, with a cached plan.
 
-    Same constructor, output and methods as torchrec's ``KTRegroupAsDict``.
+    Same constructor, output and methods as torchrec's ``KTRegroupAsDict``. The plan's
+    tensors are non-persistent buffers: they follow ``.to()`` and DMP's device moves and
+    stay out of ``state_dict``.
 
     Args:
         groups: the keys of each output group (a key may appear in several groups).
@@ -166,8 +220,9 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         {'user': torch.Size([2, 8]), 'item': torch.Size([2, 4])}
     """
 
-    # _emb_dtype: torchrec's form, for its tools (the IR serializer); the forward uses _dtype
-    __jit_ignored_attributes__ = ["_emb_dtype"]
+    # _emb_dtype: torchrec's form, for its tools (the IR serializer); the forward uses _dtype.
+    # _host: the plan's tensors on the host, the truth _apply restores the buffers from.
+    __jit_ignored_attributes__ = ["_emb_dtype", "_host"]
     __jit_unused_properties__ = ["_is_inited"]
 
     _groups: List[List[str]]
@@ -175,6 +230,7 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
     _dtype: Optional[torch.dtype]
     _multi_device: bool
     _allow_views: bool
+    _plan: Plan
 
     def __init__(
         self,
@@ -206,58 +262,83 @@ class KTRegroupAsDict(torch.nn.Module, CacheMixin):
         self._multi_device = multi_device
         self._allow_views = allow_views
         self._stale_warned = False
-        self._plan = RegroupPlanModule()
+        self.clear_cache()
 
     @torch.jit.ignore
-    def _refresh(self, keyed_tensors: List[KeyedTensor]) -> RegroupPlanModule:
-        """Builds the plan of the inputs' layout and swaps it in (one assignment)."""
+    def _install(self, plan: Plan, host: Tuple[torch.Tensor, ...]) -> Plan:
+        self._host = host
+        for name, t in zip(_BUFFERS, (plan.permutes, plan.in_shapes, plan.out_shapes)):
+            self.register_buffer(name, t, persistent=False)
+        self._plan = plan  # last, in one assignment: what eager readers take
+        return plan
+
+    def _buffered_plan(self) -> Plan:
+        """The plan with the buffers' tensors (which ``.to()`` and ``set_device`` move)."""
+        p = self._plan
+        return Plan(p.in_keys, p.in_lengths, p.key_dim, self._permutes, self._in_shapes,
+                    self._out_shapes, p.out_lengths, p.views, p.rows)
+
+    @torch.jit.ignore
+    def _refresh(self, keyed_tensors: List[KeyedTensor]) -> Plan:
+        """Builds the plan of the inputs' layout and swaps it in."""
         if not isinstance(keyed_tensors, (list, tuple)):
             raise TypeError(
                 f"KTRegroupAsDict expects a list of KeyedTensors, got {type(keyed_tensors).__name__}"
             )
         for i, kt in enumerate(keyed_tensors):
-            if not isinstance(_waited(kt), KeyedTensor):
+            if not isinstance(waited(kt), KeyedTensor):
                 raise TypeError(
                     f"KTRegroupAsDict: keyed_tensors[{i}] is a {type(kt).__name__}, not a KeyedTensor"
                 )
-        plan = RegroupPlanModule(keyed_tensors, self._groups, self._allow_views)
-        if len(self._plan.in_keys) > 0 and not self._stale_warned:
+        plan, host = _build(keyed_tensors, self._groups, self._allow_views)
+        if self._is_inited and not self._stale_warned:
             logger.warning(
                 "KTRegroupAsDict(keys=%s): the inputs' keys, widths or kind (variable-batch rows) "
                 "changed since the plan was built; rebuilding it (shown once per module)", self._keys,
             )
             self._stale_warned = True
-        self._plan = plan
-        return plan
+        return self._install(plan, host)
 
     def forward(self, keyed_tensors: List[KeyedTensor]) -> Dict[str, torch.Tensor]:
         """One tensor per group of ``keyed_tensors``, keyed by the group's name."""
-        if not torch.jit.is_scripting() and not _in_graph():
+        if not torch.jit.is_scripting() and not in_graph():
             return self._eager(keyed_tensors)
         # a graph: the module's state stays; a differing layout is computed uncached
         return regroup_with_plan(
             keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device,
-            self._plan.plan(), False,
+            self._buffered_plan(), False,
         )
 
     @torch.jit.unused
     def _eager(self, keyed_tensors: List[KeyedTensor]) -> Dict[str, torch.Tensor]:
-        # read once: other threads may swap in their own plans (_modules: the submodule
-        # without nn.Module.__getattr__, a microsecond a call)
-        plan = self._modules["_plan"]
-        if not plan.matches(keyed_tensors):  # cold or stale: a new plan, swapped in
+        plan = self._plan  # read once: other threads may swap in their own plans
+        if not _serves(plan, keyed_tensors):
             plan = self._refresh(keyed_tensors)
         return regroup_with_plan(
-            keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device,
-            plan._warm, True,
+            keyed_tensors, self._groups, self._keys, self._dtype, self._multi_device, plan, True
         )
+
+    def _apply(self, fn, recurse=True):
+        # to_empty() and .type() would spoil the plan: buffers are rebuilt from the host copy
+        super()._apply(fn, recurse)
+        for name, host in zip(_BUFFERS, self._host):
+            buf = self._buffers[name]
+            if not buf.is_meta and (buf.dtype != host.dtype or not torch.equal(buf.cpu(), host)):
+                self._buffers[name] = host.to(buf.device, copy=True)
+        self._plan = self._buffered_plan()
+        return self
 
     @torch.jit.export
     def set_device(self, device: str) -> None:
-        self._plan.set_device(device)
+        self._permutes = self._permutes.to(device)
+        self._in_shapes = self._in_shapes.to(device)
+        self._out_shapes = self._out_shapes.to(device)
+        if not torch.jit.is_scripting():
+            self._plan = self._buffered_plan()
 
     def clear_cache(self) -> None:
-        self._plan = RegroupPlanModule()
+        host = _empty_tensors()
+        self._install(Plan([], [], 1, *(t.clone() for t in host), [], [], []), host)
 
     @property
     def _is_inited(self) -> bool:

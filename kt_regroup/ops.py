@@ -11,25 +11,7 @@ TorchScript or AOTInductor model runs where only that library is loaded. This mo
    need; the kernels check everything else when they run;
 3. offers typed Python wrappers.
 
-The kernels are the library's: CPU (``csrc/cpu.cpp``), CUDA (``csrc/cuda``, where the
-library was built with CUDA; else the portable kernel, which warns once), and the
-portable kernel for any other device (``csrc/portable.cpp``). ``torch.compile`` and
-AOTInductor call the ops as opaque kernels.
-
-Ops (FBGEMM's schemas where FBGEMM has the op)::
-
-    permute_multi_embedding(Tensor[] pooled_embs, Tensor permutes, Tensor in_shapes,
-        Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]
-    permute_multi_embedding_backward(Tensor?[] grad_outputs, Tensor permutes,
-        Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, SymInt batch_size,
-        ScalarType dtype) -> Tensor[]
-    permute_multi_embedding_to(..., SymInt[] out_lengths, ScalarType? dtype=None)
-        -> Tensor[]                                  (the regroup with a fused cast)
-    permute_multi_embedding_into(..., Tensor(a!)[] outs) -> ()  (preallocated outputs)
-    kt_regroup_arguments(Tensor embs, str[][] keys, int[][] lengths, str[][] groups)
-        -> (Tensor, Tensor, Tensor, int[])
-    regroup_keyed_tensor(Tensor[] pooled_embs, str[][] keys, int[][] lengths,
-        str[][] groups) -> Tensor[]
+The kernels, their dispatch and the schemas: docs/op_library.md.
 """
 
 from __future__ import annotations
@@ -305,16 +287,7 @@ def empty_cpu_cache() -> None:
 
 
 # --- variable-batch (VBE) regroup: permute_multi_embedding_vbe (csrc/vbe.cpp) ----------------
-#
-#     permute_multi_embedding_vbe(Tensor[] pooled_embs, Tensor?[] indices, Tensor permutes,
-#         Tensor in_shapes, Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]
-#     permute_multi_embedding_vbe_backward(Tensor?[] grad_outputs, Tensor?[] indices,
-#         Tensor permutes, Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths,
-#         SymInt[] in_rows, ScalarType dtype) -> Tensor
-#
-# out[j][b, out_cols] = pooled_embs[i][indices[i][b], in_cols] per permute row; an input
-# whose index is None (or all, with ``indices=[]``) has one row per sample. The backward
-# returns the input gradients flattened into one tensor, input after input.
+# Its backward returns the input gradients flattened into one tensor, input after input.
 
 
 def _vbe_batch(op: str, tensors, indices, **metadata) -> int:

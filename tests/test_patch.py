@@ -134,7 +134,9 @@ def test_patch_rebinds_every_name_is_idempotent_and_unpatch_restores_the_origina
         "regroup_kts",
         "_fbgemm_permute_pooled_embs",
     ):
-        assert getattr(tr_jagged, name) is getattr(kt_regroup.patch, name), name
+        new = getattr(tr_jagged, name)
+        assert new is kt_regroup.patch._MODULE_LEVEL[name][1], name
+        assert new.__module__ == "kt_regroup.patch" and new.__name__ == name, name
     assert tr_jagged._kt_regroup_arguments is kt_regroup.patch._kt_regroup_arguments
     assert tr_regroup._kt_regroup_arguments is kt_regroup.patch._kt_regroup_arguments
     patched = _originals()

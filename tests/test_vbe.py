@@ -361,7 +361,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
 from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor  # noqa: E402
 
-from kt_regroup.functional import VariableBatchKeyedTensor  # noqa: E402
+from kt_regroup.vbe import VariableBatchKeyedTensor  # noqa: E402
 
 FEATURES = {"user": (4, 3), "hist": (8, 2), "item": (6, 5), "ctx": (3, 1)}  # name: (dim, rows)
 GROUPS = [["hist", "user"], ["item", "hist", "ctx"]]
@@ -429,6 +429,38 @@ def test_patched_vbe_ebc_equals_unpatched_torchrec(regroup):
     _same(got[1], want[1])
 
 
+def test_patched_vbe_weighted_ebc_with_shared_features_equals_unpatched_torchrec():
+    """The rows forward is torchrec's own forward code: per-sample weights and a feature
+    read by two tables (torchrec's ``feature@table`` names) come out as torchrec's."""
+
+    def model():
+        torch.manual_seed(1)
+        ebc = EmbeddingBagCollection(
+            [EmbeddingBagConfig(num_embeddings=10, embedding_dim=3, name="t0", feature_names=["user", "item"]),
+             EmbeddingBagConfig(num_embeddings=10, embedding_dim=2, name="t1", feature_names=["user"])],
+            is_weighted=True,
+        )
+        return ebc, tr_regroup.KTRegroupAsDict([["item", "user@t1"], ["user@t0"]], ["a", "b"])
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([1, 2, 0, 2, 1])  # user: 3 rows, item: 2 rows
+    kjt = KeyedJaggedTensor(
+        keys=["user", "item"], values=torch.randint(0, 10, (6,), generator=g),
+        lengths=lengths, weights=torch.rand(6, generator=g),
+        stride_per_key_per_rank=[[3], [2]],
+        inverse_indices=(["user", "item"], torch.tensor([[0, 2, 1, 2], [1, 0, 0, 1]])),
+    )
+    ebc, regroup = model()
+    want = regroup([ebc(kjt)])
+    with kt_regroup.patch_torchrec():
+        ebc, regroup = model()
+        kt = ebc(kjt)
+        assert isinstance(kt, VariableBatchKeyedTensor) and kt._expanded is None
+        got = regroup([kt])
+        assert kt._expanded is None
+    _same(list(got.values()), list(want.values()))
+
+
 def test_patched_vbe_keyed_tensor_expands_when_read():
     torch.manual_seed(0)
     ebc = VbeModel(tr_regroup.KTRegroupAsDict).ebc
@@ -454,16 +486,16 @@ def test_patched_vbe_keyed_tensor_expands_when_read():
 
 
 def test_per_key_outputs_of_a_plain_kjt_equal_the_ebc():
-    """The bench's no-cat row (issue 23, item 3): ``_forward_rows`` on a KJT without
+    """The bench's no-cat row (issue 23, item 3): ``forward_rows`` on a KJT without
     inverse indices is the EBC's output, per key, indices None."""
-    from kt_regroup.patch import _forward_rows
+    from kt_regroup.vbe import forward_rows
 
     torch.manual_seed(0)
     ebc = VbeModel(tr_regroup.KTRegroupAsDict).ebc
     plain = KeyedJaggedTensor.from_lengths_sync(
         list(FEATURES), torch.arange(12) % 10, torch.tensor([1, 2, 0] * 4)
     )
-    got, want = _forward_rows(ebc, plain), ebc(plain)
+    got, want = forward_rows(ebc, plain), ebc(plain)
     assert got.indices == [None] * len(FEATURES) and got._expanded is None
     out = kt_regroup.KTRegroupAsDict(GROUPS, ["a", "b"])([got])
     ref = tr_regroup.KTRegroupAsDict(GROUPS, ["a", "b"])([want])
