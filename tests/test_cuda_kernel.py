@@ -1,9 +1,11 @@
 """The op library's CUDA kernels (``kt_regroup/csrc/cuda``): one set of checks, run two ways.
 
 * ``emulated``: the kernels' device code on the CPU (``tests/cuda_emulation.cpp``: thread
-  blocks as threads, the launches planned and the kernels chosen by the same host code as
-  ``permute.cu``). Outputs start filled with a marker (NaN or -77), so an element no
-  kernel writes fails the comparison. Runs where no GPU is present.
+  blocks as threads, in a seeded random order, shared memory poisoned before each block,
+  misaligned 16-byte accesses trapped, launches checked against the device's limits; the
+  launches planned and the kernels chosen by the same host code as ``permute.cu``).
+  Outputs start filled with a marker (NaN or -77), so an element no kernel writes fails
+  the comparison. Runs where no GPU is present.
 * ``cuda``: the compiled kernels through the ops, the plan on the device, on a GPU with a
   library built with CUDA.
 
@@ -534,6 +536,87 @@ def test_vbe_backward_of_hand_made_plans_has_the_cpu_ops_bits(kernel, name, dtyp
     # Without an index: a row is its own sample.
     args = (grads, [None] * len(in_widths), p, i, o, in_widths, [batch] * len(in_widths))
     _assert_same_bits([kernel.vbe_backward(*args, batch, dtype)], [ops.permute_multi_embedding_vbe_backward(*args, dtype)])
+
+
+# --- the emulation runs blocks as a device may, and checks what a device checks ----------
+
+
+@pytest.fixture
+def emulation(kernel):
+    if not isinstance(kernel, Emulated):
+        pytest.skip("checks of the emulation (the GPU runs the kernels themselves)")
+    yield kernel.ext
+    kernel.ext.set_block_order(0)
+
+
+def _every_op(ext):
+    """Forward, _into, backward and the VBE ops on a random layout and hand-made plans."""
+    layout = random_layout(11)
+    p, i, o, n = _plan(layout)
+    xs = [_values(9, w, torch.float32, seed=k) for k, w in enumerate(layout.in_widths)]
+    outs = [torch.full((9, w), float("nan")) for w in n]
+    ext.into(xs, p, outs)
+    grads = [_signed_values(9, w, torch.float32, 40 + j) for j, w in enumerate(n)]
+    got = ext.forward(xs, p, n, None) + outs
+    got += ext.backward(grads, p, layout.in_widths, 9, torch.bfloat16)
+    for name in ("staggered", "many_overlaps"):
+        hp, _, _, in_widths, out_widths = _hand_made(name)
+        hg = [_signed_values(6, w, torch.float32, 60 + j) for j, w in enumerate(out_widths)]
+        got += ext.backward(hg, hp, in_widths, 6, torch.float32)
+        index = [torch.tensor([2, 0, 2, 1, 0, 2])] + [None] * (len(in_widths) - 1)
+        rows = [3] + [6] * (len(in_widths) - 1)
+        got.append(ext.vbe_backward(hg, index, hp, in_widths, rows, 6, torch.float32))
+    xs, indices, (p, i, o, n), in_rows = _vbe_case(5, 7, torch.float32, torch.int64)
+    got += ext.vbe_forward(xs, indices, p, n, 7)
+    return got
+
+
+def test_results_do_not_depend_on_the_order_of_blocks(emulation):
+    emulation.set_block_order(-1)  # index order
+    want = _every_op(emulation)
+    for seed in (1, 2, 3):
+        emulation.set_block_order(seed)
+        _assert_same_bits(_every_op(emulation), want)
+
+
+def test_random_block_orders_show_a_race(emulation):
+    # Two rows of a bad plan write the same output columns: which block runs last wins.
+    p = torch.tensor([[0, 0, 0, 0, 4, 0], [1, 0, 0, 0, 4, 0]])
+    xs = [torch.zeros(2, 4), torch.ones(2, 4)]
+    seen = set()
+    for seed in range(8):
+        emulation.set_block_order(seed)
+        (out,) = emulation.forward(xs, p, [4], None)
+        seen.add(float(out[0, 0]))
+    assert seen == {0.0, 1.0}
+
+
+def test_shared_memory_is_poisoned_before_each_block(emulation):
+    for seed in (-1, 1):
+        emulation.set_block_order(seed)
+        assert torch.equal(emulation.unwritten_shared(3), torch.full((3, 16), 0xFF, dtype=torch.uint8))
+
+
+def test_misaligned_16_byte_accesses_are_trapped(emulation):
+    emulation.vector_access(16)
+    with pytest.raises(RuntimeError, match=r"misaligned 16-byte load at 0x[0-9a-f]+ \(block 0, thread 0\)"):
+        emulation.vector_access(4)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [(lambda e: e.launch(0, 256), "grid of 0 blocks"),
+     (lambda e: e.launch(2**31, 256), "grid of 2147483648 blocks"),
+     (lambda e: e.launch(1, 1025), "1025 threads per block"),
+     (lambda e: e.many_parameter_bytes(), "4100 bytes of kernel parameters"),
+     (lambda e: e.shared_bytes(48 * 1024 + 1), "49153 bytes of shared memory")],
+    ids=["no_blocks", "grid_x", "threads", "parameters", "shared_memory"],
+)  # fmt: skip
+def test_launches_past_the_device_limits_are_refused(emulation, call, message):
+    emulation.launch(1, 256)
+    emulation.shared_bytes(48 * 1024)
+    with pytest.raises(ValueError, match="emulated launch over the device's limits: " + message):
+        call(emulation)
 
 
 # --- the variable-batch ops (permute_multi_embedding_vbe{,_backward}) -----------------------

@@ -284,6 +284,16 @@ __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
   }
 }
 
+// 16-byte vector accesses go through these (the emulation traps misaligned ones).
+#ifndef KT_REGROUP_VECTOR_ACCESS
+__device__ __forceinline__ uint4 load16(const uint4* p) {
+  return *p;
+}
+__device__ __forceinline__ void store16(uint4* p, const uint4& v) {
+  *p = v;
+}
+#endif
+
 // A plain element of ES bytes (a byte copy moves any dtype).
 template <int ES>
 struct Bytes;
@@ -425,9 +435,9 @@ __device__ void copy_block(
           rows, row_bytes / 16,
           [&](int64_t b, int64_t j) {
             const int64_t from = row_of(rt, b0 + b);
-            return from >= 0 ? vs[from * v_srs + j] : uint4{0, 0, 0, 0};
+            return from >= 0 ? load16(vs + from * v_srs + j) : uint4{0, 0, 0, 0};
           },
-          [&](int64_t b, int64_t j, const uint4& v) { vd[b * v_drs + j] = v; });
+          [&](int64_t b, int64_t j, const uint4& v) { store16(vd + b * v_drs + j, v); });
       return;
     }
   }
@@ -835,8 +845,8 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
         uint4* vd = reinterpret_cast<uint4*>(d);
         const int64_t v_srs = l.rs * es / 16, v_drs = drs * es / 16;
         for_tile<uint4>(
-            rows, width * es / 16, [&](int64_t b, int64_t j) { return vs[b * v_srs + j]; },
-            [&](int64_t b, int64_t j, const uint4& v) { vd[b * v_drs + j] = v; });
+            rows, width * es / 16, [&](int64_t b, int64_t j) { return load16(vs + b * v_srs + j); },
+            [&](int64_t b, int64_t j, const uint4& v) { store16(vd + b * v_drs + j, v); });
       } else {
         const D* s = reinterpret_cast<const D*>(src);
         for_tile<D>(
@@ -965,6 +975,14 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
         [&](int64_t b, int64_t j, const D& v) { d[b * drs + j] = v; });
   }
 }
+
+// A kernel's static shared memory (at most a zero block's, find_sums' and Sums) stays
+// within the 48 KiB a launch gets without opting in.
+static_assert(
+    sizeof(bool) * kZeroCols + sizeof(int64_t) * (kMaxTensors + 1) + sizeof(bool) * kThreads +
+            sizeof(Sums) <=
+        48 * 1024,
+    "static shared memory over 48 KiB");
 
 // A launch's arguments stay within the 4 KiB every CUDA version and GPU accepts.
 static_assert(
