@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -25,6 +26,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #define __global__
@@ -78,19 +80,79 @@ inline bool aligned16(const void* p, const char* what) {
 }
 }  // namespace emulation
 
-#define KT_REGROUP_VECTOR_ACCESS
-inline uint4 load16(const uint4* p) {
-  if (emulation::aligned16(p, "load")) return *p;
-  uint4 v;
+// The cost model (trace_begin / trace_end): each global access a block makes, keyed by
+// the warp instruction it belongs to (warp, call site, tile, step, and its number among
+// the lane's accesses at that site in that step), merged per block into sectors.
+namespace emulation {
+struct Access {
+  uint32_t warp, site, tile, step, seq;
+  uintptr_t addr;
+  uint32_t size;
+};
+struct Lane {
+  uint32_t tile = 0, step = 0;
+  uint32_t seq[4096] = {};
+  std::vector<uint32_t> sites;  // seq entries to reset at the next step
+  std::vector<Access> log;
+  int64_t plan_bytes = 0;
+  void reset() {
+    tile = step = 0;
+    for (uint32_t site : sites) seq[site] = 0;
+    sites.clear();
+    log.clear();
+    plan_bytes = 0;
+  }
+};
+inline bool tracing = false;
+inline Lane lanes[256];  // kThreads (checked below)
+
+inline void next_step(Lane& l) {
+  for (uint32_t site : l.sites) l.seq[site] = 0;
+  l.sites.clear();
+}
+
+inline void record(uint32_t site, const void* p, uint32_t size) {
+  Lane& l = lanes[threadIdx.x];
+  const uint32_t s = site % 4096;
+  if (l.seq[s] == 0) l.sites.push_back(s);
+  l.log.push_back(Access{
+      threadIdx.x / 32, site, l.tile, l.step, l.seq[s]++, reinterpret_cast<uintptr_t>(p), size});
+}
+}  // namespace emulation
+
+#define KT_REGROUP_MEMORY_HOOKS
+template <int kSite, typename T>
+T ld(const T* p) {
+  if (emulation::tracing) emulation::record(kSite, p, sizeof(T));
+  if (sizeof(T) != 16 || emulation::aligned16(p, "load")) return *p;
+  T v;
   std::memcpy(&v, p, 16);
   return v;
 }
-inline void store16(uint4* p, const uint4& v) {
-  if (emulation::aligned16(p, "store")) {
+template <int kSite, typename T>
+void st(T* p, const T& v) {
+  if (emulation::tracing) emulation::record(kSite, p, sizeof(T));
+  if (sizeof(T) != 16 || emulation::aligned16(p, "store")) {
     *p = v;
   } else {
     std::memcpy(p, &v, 16);
   }
+}
+template <typename T>
+T ld_plan(const T* p) {
+  if (emulation::tracing) emulation::lanes[threadIdx.x].plan_bytes += sizeof(T);
+  return *p;
+}
+inline void tile_begins() {
+  emulation::Lane& l = emulation::lanes[threadIdx.x];
+  ++l.tile;
+  l.step = 0;
+  emulation::next_step(l);
+}
+inline void tile_step() {
+  emulation::Lane& l = emulation::lanes[threadIdx.x];
+  ++l.step;
+  emulation::next_step(l);
 }
 
 inline void __syncthreads() {
@@ -115,6 +177,8 @@ inline int __syncthreads_or(int predicate) {
 #include "kernels.cuh"
 
 #include <torch/extension.h>
+
+static_assert(std::size(emulation::lanes) == kt_regroup::cuda::kThreads);
 
 namespace kt_regroup::cuda {
 namespace {
@@ -170,6 +234,68 @@ BlockPool& pool() {
   return p;
 }
 
+// What the traced calls cost (trace_begin / trace_end): launches of ours, their blocks,
+// blocks that load or store no data (idle), data bytes moved (the distinct bytes of each
+// warp instruction), 32-byte sectors touched and the fewest that could hold those bytes,
+// per warp instruction; plan bytes read (not in `bytes`).
+struct Counts {
+  int64_t launches = 0, blocks = 0, idle_blocks = 0, bytes = 0, sectors = 0, min_sectors = 0,
+          instructions = 0, plan_bytes = 0;
+};
+Counts counts;
+
+void trace_block() {
+  std::vector<emulation::Access> all;
+  for (int t = 0; t < kThreads; ++t) {
+    emulation::Lane& l = emulation::lanes[t];
+    all.insert(all.end(), l.log.begin(), l.log.end());
+    counts.plan_bytes += l.plan_bytes;
+  }
+  if (all.empty()) {
+    ++counts.idle_blocks;
+    return;
+  }
+  const auto key = [](const emulation::Access& a) {
+    return std::make_tuple(a.warp, a.site, a.tile, a.step, a.seq);
+  };
+  std::sort(all.begin(), all.end(), [&](const auto& a, const auto& b) {
+    return std::make_pair(key(a), a.addr) < std::make_pair(key(b), b.addr);
+  });
+  for (size_t i = 0; i < all.size();) {
+    size_t j = i;
+    int64_t bytes = 0, sectors = 0;
+    uintptr_t covered = 0, last_sector = ~uintptr_t(0);
+    for (; j < all.size() && key(all[j]) == key(all[i]); ++j) {  // sorted by address
+      const uintptr_t a = std::max(all[j].addr, covered), e = all[j].addr + all[j].size;
+      if (a >= e) continue;
+      bytes += e - a;
+      covered = e;
+      for (uintptr_t sct = a / 32; sct <= (e - 1) / 32; ++sct) {
+        if (sct != last_sector) ++sectors;
+        last_sector = sct;
+      }
+    }
+    counts.bytes += bytes;
+    counts.sectors += sectors;
+    counts.min_sectors += (bytes + 31) / 32;
+    ++counts.instructions;
+    i = j;
+  }
+}
+
+void trace_begin() {
+  counts = Counts{};
+  emulation::tracing = true;
+}
+
+std::map<std::string, int64_t> trace_end() {
+  emulation::tracing = false;
+  return {{"launches", counts.launches},         {"blocks", counts.blocks},
+          {"idle_blocks", counts.idle_blocks},   {"bytes", counts.bytes},
+          {"sectors", counts.sectors},           {"min_sectors", counts.min_sectors},
+          {"instructions", counts.instructions}, {"plan_bytes", counts.plan_bytes}};
+}
+
 // The order of a launch's blocks: index order (seed < 0) or a random permutation drawn
 // from the seed and the launch's number.
 int64_t order_seed = 0;
@@ -210,12 +336,20 @@ void emulate_launch(int64_t blocks, int threads, Kernel kernel, const Args&... a
     std::shuffle(order.begin(), order.end(), rng);
   }
   ++launches;
+  if (emulation::tracing) {
+    ++counts.launches;
+    counts.blocks += blocks;
+  }
   char* const shared = __start_kt_emu_shared;
   const size_t shared_size = __stop_kt_emu_shared - __start_kt_emu_shared;
   std::vector<char> written(shared_size, 0);  // bytes some block stored to
   for (const int64_t b : order) {
     std::memset(shared, 0xFF, shared_size);
+    if (emulation::tracing) {
+      for (int t = 0; t < kThreads; ++t) emulation::lanes[t].reset();
+    }
     pool().run(b, [&] { kernel(args...); });
+    if (emulation::tracing) trace_block();
     for (size_t k = 0; k < shared_size; ++k) written[k] |= shared[k] != char(0xFF);
   }
   const size_t used = std::count(written.begin(), written.end(), char(1));
@@ -240,8 +374,10 @@ const auto emulated = [](auto kernel, int64_t blocks, const auto&... args) {
 };
 
 // Outputs filled with a marker (NaN, or -77) that no correct kernel leaves behind.
+// Traced: empty, as permute.cu's (the cost model counts the ATen ops the host code calls).
 at::Tensor marked(int64_t batch, int64_t width, c10::ScalarType dtype) {
   const auto options = at::TensorOptions().dtype(dtype);
+  if (emulation::tracing) return at::empty({batch, width}, options);
   if (dtype == at::kBool) return at::ones({batch, width}, options);
   if (at::isFloatingType(dtype) || at::isComplexType(dtype)) {
     return at::full({batch, width}, std::numeric_limits<double>::quiet_NaN(), options);
@@ -362,7 +498,7 @@ at::Tensor unwritten_shared(int64_t blocks) {
 __global__ void vector_kernel(char* p, int64_t offset) {
   if (threadIdx.x == 0) {
     uint4* v = reinterpret_cast<uint4*>(p + offset);
-    store16(v, load16(v));
+    st<__LINE__>(v, ld<__LINE__>(v));
   }
 }
 
@@ -409,6 +545,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vbe_forward", &kt_regroup::cuda::vbe_forward);
   m.def("vbe_backward", &kt_regroup::cuda::vbe_backward);
   m.def("set_block_order", &kt_regroup::cuda::set_block_order);
+  m.def("trace_begin", &kt_regroup::cuda::trace_begin);
+  m.def("trace_end", &kt_regroup::cuda::trace_end);
   m.def("unwritten_shared", &kt_regroup::cuda::unwritten_shared);
   m.def("vector_access", &kt_regroup::cuda::vector_access);
   m.def("launch", &kt_regroup::cuda::launch);

@@ -163,6 +163,28 @@ bool is_float(c10::ScalarType t) {
   return dtype_code(t) != kOther;
 }
 
+// The kernels' global memory accesses: data through ld/st (kSite names the call site),
+// plan rows through ld_plan; tile_begins / tile_step mark a loop over a tile and each of
+// its steps (a warp's lanes in step). Plain accesses on the device; the emulation
+// (tests/cuda_emulation.cpp) traps misaligned 16-byte ones and its cost model records
+// each access.
+#ifndef KT_REGROUP_MEMORY_HOOKS
+template <int kSite, typename T>
+__device__ __forceinline__ T ld(const T* p) {
+  return *p;
+}
+template <int kSite, typename T>
+__device__ __forceinline__ void st(T* p, const T& v) {
+  *p = v;
+}
+template <typename T>
+__device__ __forceinline__ T ld_plan(const T* p) {
+  return *p;
+}
+__device__ __forceinline__ void tile_begins() {}
+__device__ __forceinline__ void tile_step() {}
+#endif
+
 // Up to N tensors of one side, by value. Strides and widths in elements.
 template <int N>
 struct Tensors {
@@ -183,8 +205,8 @@ struct Plan {
 
   __device__ int64_t at(int64_t r, int k) const {
     const int64_t o = r * s0 + k * s1;
-    return is64 ? static_cast<const int64_t*>(data)[o]
-                : static_cast<int64_t>(static_cast<const int32_t*>(data)[o]);
+    return is64 ? ld_plan(static_cast<const int64_t*>(data) + o)
+                : static_cast<int64_t>(ld_plan(static_cast<const int32_t*>(data) + o));
   }
 };
 
@@ -262,7 +284,9 @@ __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
   // Stepping by kThreads elements without a division per element.
   const int64_t step_b = kThreads / cols, step_j = kThreads % cols;
   int64_t b = threadIdx.x / cols, j = threadIdx.x % cols;
+  tile_begins();
   for (int64_t i = threadIdx.x; i < total; i += int64_t(kThreads) * kUnroll) {
+    tile_step();
     T v[kUnroll];
     int64_t bs[kUnroll], js[kUnroll];
 #pragma unroll
@@ -283,16 +307,6 @@ __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
     }
   }
 }
-
-// 16-byte vector accesses go through these (the emulation traps misaligned ones).
-#ifndef KT_REGROUP_VECTOR_ACCESS
-__device__ __forceinline__ uint4 load16(const uint4* p) {
-  return *p;
-}
-__device__ __forceinline__ void store16(uint4* p, const uint4& v) {
-  *p = v;
-}
-#endif
 
 // A plain element of ES bytes (a byte copy moves any dtype).
 template <int ES>
@@ -356,14 +370,16 @@ __device__ void zero_block(
   if (!__syncthreads_or(gap)) return;
   const int64_t b0 = (blk / L.zero_col_tiles) * L.zero_rows;
   const int64_t b1 = imin(L.batch, b0 + L.zero_rows);
+  tile_begins();
   for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) {
+    tile_step();
     if (covered[k]) continue;
     const int64_t c = c0 + k;
     int t = 0;
     while (t + 1 < w.count && c >= first[t + 1]) ++t;
     E* dst = reinterpret_cast<E*>(const_cast<char*>(w.ptr[t])) + (c - first[t]);
     const int64_t rs = w.row_stride[t], end = rows ? imin(b1, rows[t]) : b1;
-    for (int64_t b = b0; b < end; ++b) dst[b * rs] = E{};
+    for (int64_t b = b0; b < end; ++b) st<__LINE__>(dst + b * rs, E{});
   }
 }
 
@@ -384,8 +400,9 @@ __device__ int64_t index_row(const RowIndex<N>& x, int64_t t, int64_t b, int64_t
   const void* p = x.index[t];
   if (p == nullptr) return b;
   const int64_t o = b * x.stride[t];
-  const int64_t v = x.is64[t] ? static_cast<const int64_t*>(p)[o]
-                              : static_cast<int64_t>(static_cast<const int32_t*>(p)[o]);
+  const int64_t v = x.is64[t]
+                        ? ld<__LINE__>(static_cast<const int64_t*>(p) + o)
+                        : static_cast<int64_t>(ld<__LINE__>(static_cast<const int32_t*>(p) + o));
   const bool inside = v >= 0 && v < x.rows[t];
   KT_REGROUP_INDEX_ASSERT(
       inside,
@@ -435,9 +452,9 @@ __device__ void copy_block(
           rows, row_bytes / 16,
           [&](int64_t b, int64_t j) {
             const int64_t from = row_of(rt, b0 + b);
-            return from >= 0 ? load16(vs + from * v_srs + j) : uint4{0, 0, 0, 0};
+            return from >= 0 ? ld<__LINE__>(vs + from * v_srs + j) : uint4{0, 0, 0, 0};
           },
-          [&](int64_t b, int64_t j, const uint4& v) { store16(vd + b * v_drs + j, v); });
+          [&](int64_t b, int64_t j, const uint4& v) { st<__LINE__>(vd + b * v_drs + j, v); });
       return;
     }
   }
@@ -447,10 +464,11 @@ __device__ void copy_block(
       rows, cols,
       [&](int64_t b, int64_t j) {
         const int64_t c = s.lo + j, from = row_of(rt, b0 + b);
-        return (c >= rd.lo && c < rd.hi && from >= 0) ? src[from * srs + (row.read_off + c) * scs]
-                                                      : E{};
+        return (c >= rd.lo && c < rd.hi && from >= 0)
+                   ? ld<__LINE__>(src + from * srs + (row.read_off + c) * scs)
+                   : E{};
       },
-      [&](int64_t b, int64_t j, const E& v) { d[(b0 + b) * drs + j] = v; });
+      [&](int64_t b, int64_t j, const E& v) { st<__LINE__>(d + (b0 + b) * drs + j, v); });
 }
 
 // The forward as a byte copy.
@@ -490,13 +508,14 @@ template <typename Dst>
 __device__ __forceinline__ Dst load_as(const char* p, int8_t code) {
   switch (code) {
     case kF32:
-      return convert<Dst>(*reinterpret_cast<const float*>(p));
+      return convert<Dst>(ld<__LINE__>(reinterpret_cast<const float*>(p)));
     case kF64:
-      return convert<Dst>(*reinterpret_cast<const double*>(p));
+      return convert<Dst>(ld<__LINE__>(reinterpret_cast<const double*>(p)));
     case kF16:
-      return convert<Dst>(static_cast<float>(*reinterpret_cast<const c10::Half*>(p)));
+      return convert<Dst>(static_cast<float>(ld<__LINE__>(reinterpret_cast<const c10::Half*>(p))));
     default:
-      return convert<Dst>(static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(p)));
+      return convert<Dst>(
+          static_cast<float>(ld<__LINE__>(reinterpret_cast<const c10::BFloat16*>(p))));
   }
 }
 
@@ -529,7 +548,7 @@ __global__ void __launch_bounds__(kThreads) permute_cast_kernel(
         if (c < rd.lo || c >= rd.hi) return Dst(0);
         return load_as<Dst>(src + ((b0 + b) * srs + (row.read_off + c) * scs) * es, code);
       },
-      [&](int64_t b, int64_t j, const Dst& v) { dst[(b0 + b) * drs + j] = v; });
+      [&](int64_t b, int64_t j, const Dst& v) { st<__LINE__>(dst + (b0 + b) * drs + j, v); });
 }
 
 template <typename T>
@@ -546,7 +565,7 @@ struct Accumulate<c10::BFloat16> {
 };
 
 template <typename T>
-constexpr DtypeCode code_of() {
+__host__ __device__ constexpr DtypeCode code_of() {
   return std::is_same_v<T, float>       ? kF32
          : std::is_same_v<T, double>    ? kF64
          : std::is_same_v<T, c10::Half> ? kF16
@@ -810,7 +829,9 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
     return static_cast<Acc>(static_cast<Compute>(acc) + load_as<Compute>(p, code));
   };
   if (S.walk) {
+    tile_begins();
     for (int64_t i = threadIdx.x; i < rows * (cols.hi - cols.lo); i += kThreads) {
+      tile_step();
       const int64_t b = i / (cols.hi - cols.lo), x = cols.lo + i % (cols.hi - cols.lo);
       Acc acc = Acc(0);
       const char* one = nullptr;
@@ -824,8 +845,10 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
         ++n;
       });
       if (!owned) continue;
-      dst[b * drs + x] = n == 1 && one_code == code_of<D>() ? *reinterpret_cast<const D*>(one)
-                                                            : static_cast<D>(acc);
+      st<__LINE__>(
+          dst + b * drs + x, n == 1 && one_code == code_of<D>()
+                                 ? ld<__LINE__>(reinterpret_cast<const D*>(one))
+                                 : static_cast<D>(acc));
     }
     return;
   }
@@ -845,13 +868,15 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
         uint4* vd = reinterpret_cast<uint4*>(d);
         const int64_t v_srs = l.rs * es / 16, v_drs = drs * es / 16;
         for_tile<uint4>(
-            rows, width * es / 16, [&](int64_t b, int64_t j) { return load16(vs + b * v_srs + j); },
-            [&](int64_t b, int64_t j, const uint4& v) { store16(vd + b * v_drs + j, v); });
+            rows, width * es / 16,
+            [&](int64_t b, int64_t j) { return ld<__LINE__>(vs + b * v_srs + j); },
+            [&](int64_t b, int64_t j, const uint4& v) { st<__LINE__>(vd + b * v_drs + j, v); });
       } else {
         const D* s = reinterpret_cast<const D*>(src);
         for_tile<D>(
-            rows, width, [&](int64_t b, int64_t j) { return s[b * l.rs + j * l.cs]; },
-            [&](int64_t b, int64_t j, const D& v) { d[b * drs + j] = v; });
+            rows, width,
+            [&](int64_t b, int64_t j) { return ld<__LINE__>(s + b * l.rs + j * l.cs); },
+            [&](int64_t b, int64_t j, const D& v) { st<__LINE__>(d + b * drs + j, v); });
       }
       continue;
     }
@@ -869,7 +894,9 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
           }
           return acc;
         },
-        [&](int64_t b, int64_t j, const Acc& v) { d[b * drs + j] = static_cast<D>(v); });
+        [&](int64_t b, int64_t j, const Acc& v) {
+          st<__LINE__>(d + b * drs + j, static_cast<D>(v));
+        });
   }
 }
 
@@ -911,13 +938,13 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
   const int64_t* by_row = starts ? starts + n_rows + 1 : nullptr;
   if (starts && r0 == 0 && threadIdx.x == 0 && samples.batch > 0) {
     for (int e = 0; e < 2; ++e) {  // the smallest index and the largest
-      const int64_t q = e ? samples.batch - 1 : 0, v = by_row[samples.batch + q];
+      const int64_t q = e ? samples.batch - 1 : 0, v = ld<__LINE__>(by_row + samples.batch + q);
       const int64_t input = out.lo + wt;
       KT_REGROUP_INDEX_ASSERT(
           v >= 0 && v < n_rows,
           "kt_regroup.permute_multi_embedding_vbe_backward: indices[%lld][%lld] = %lld is "
           "out of range for input %lld, which has %lld rows",
-          static_cast<long long>(input), static_cast<long long>(by_row[q]),
+          static_cast<long long>(input), static_cast<long long>(ld<__LINE__>(by_row + q)),
           static_cast<long long>(v), static_cast<long long>(input), static_cast<long long>(n_rows));
     }
   }
@@ -927,16 +954,17 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
   const int64_t drs = out.row_stride[wt];
   D* const dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + r0 * drs;
   const auto value = [](const Link& l, int64_t sample, int64_t x) {
-    return reinterpret_cast<const D*>(l.ptr)[sample * l.rs + (x + l.shift) * l.cs];
+    return ld<__LINE__>(reinterpret_cast<const D*>(l.ptr) + sample * l.rs + (x + l.shift) * l.cs);
   };
   // Row r0 + b, column x: each sample's sum over the links `each` calls, then the row's
   // over its samples (a row without an index is its own sample and keeps its sum's bits).
   const auto element = [&](int64_t b, int64_t x, auto each) {
     const int64_t row = r0 + b;
-    const int64_t q0 = starts ? starts[row] : row, q1 = starts ? starts[row + 1] : row + 1;
+    const int64_t q0 = starts ? ld<__LINE__>(starts + row) : row;
+    const int64_t q1 = starts ? ld<__LINE__>(starts + row + 1) : row + 1;
     Acc acc = Acc(0);
     for (int64_t q = q0; q < q1; ++q) {
-      const int64_t sample = by_row ? by_row[q] : q;
+      const int64_t sample = by_row ? ld<__LINE__>(by_row + q) : q;
       Acc sum = Acc(0);
       int n = 0;
       D one{};
@@ -952,11 +980,14 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
     return static_cast<D>(acc);
   };
   if (S.walk) {
+    tile_begins();
     for (int64_t i = threadIdx.x; i < rows * (cols.hi - cols.lo); i += kThreads) {
+      tile_step();
       const int64_t b = i / (cols.hi - cols.lo), x = cols.lo + i % (cols.hi - cols.lo);
       if (!walk_column(L, grads, out, r, wt, x, [](const Link&) {})) continue;
-      dst[b * drs + x] =
-          element(b, x, [&](auto add) { walk_column(L, grads, out, r, wt, x, add); });
+      st<__LINE__>(dst + b * drs + x, element(b, x, [&](auto add) {
+                     walk_column(L, grads, out, r, wt, x, add);
+                   }));
     }
     return;
   }
@@ -972,7 +1003,7 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
             }
           });
         },
-        [&](int64_t b, int64_t j, const D& v) { d[b * drs + j] = v; });
+        [&](int64_t b, int64_t j, const D& v) { st<__LINE__>(d + b * drs + j, v); });
   }
 }
 
