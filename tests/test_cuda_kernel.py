@@ -1,9 +1,11 @@
 """The op library's CUDA kernels (``kt_regroup/csrc/cuda``): one set of checks, run two ways.
 
 * ``emulated``: the kernels' device code on the CPU (``tests/cuda_emulation.cpp``: thread
-  blocks as threads, the launches planned and the kernels chosen by the same host code as
-  ``permute.cu``). Outputs start filled with a marker (NaN or -77), so an element no
-  kernel writes fails the comparison. Runs where no GPU is present.
+  blocks as threads, in a seeded random order, shared memory poisoned before each block,
+  misaligned 16-byte accesses trapped, launches checked against the device's limits; the
+  launches planned and the kernels chosen by the same host code as ``permute.cu``).
+  Outputs start filled with a marker (NaN or -77), so an element no kernel writes fails
+  the comparison. Runs where no GPU is present.
 * ``cuda``: the compiled kernels through the ops, the plan on the device, on a GPU with a
   library built with CUDA.
 
@@ -263,11 +265,11 @@ def test_aligned_segments(kernel, dtype):
         )
 
 
-def test_long_duplicate_chain(kernel):
-    # One key 20 times (more than a block keeps in shared memory: walked per element),
-    # another 3 times.
+def test_key_used_more_often_than_a_block_lists(kernel):
+    # One key 40 times (more rows than a block lists in shared memory: walked per
+    # element), another 3 times.
     keys, lengths = [["a", "b", "c"]], [[3, 5, 2]]
-    groups = [["a"] * 12 + ["b", "c"], ["a"] * 8 + ["b", "b"]]
+    groups = [["a"] * 24 + ["b", "c"], ["a"] * 16 + ["b", "b"]]
     p, i, o, n = _plan((keys, lengths, groups))
     for dtype in (torch.float32, torch.bfloat16):
         grads = [_values(6, w, dtype, "contiguous", j) for j, w in enumerate(n)]
@@ -277,13 +279,13 @@ def test_long_duplicate_chain(kernel):
         )
 
 
-def test_bad_chains_terminate_and_stay_in_bounds(kernel):
+def test_column_5_is_not_read(kernel):
     g = torch.arange(1.0, 9.0).view(2, 4)
     shapes, in_shapes = torch.tensor([4]), torch.tensor([2])
-    # Rows 0 and 1 link to each other forever; row 2 points past the table.
+    # Rows 0 and 1 chain to each other forever; row 2 points past the table.
     rows = torch.tensor([[0, 0, 0, 0, 2, 1], [0, 0, 0, 2, 2, -1], [0, 0, 0, 0, 2, 99]])
     (got,) = kernel.backward([g], rows[:2], in_shapes, shapes, [2], 2, torch.float32)
-    assert torch.equal(got, g[:, :2] + g[:, 2:])  # stopped after len(permutes) steps
+    assert torch.equal(got, g[:, :2] + g[:, 2:])
     (got,) = kernel.backward([g], rows[2:], in_shapes, shapes, [2], 2, torch.float32)
     assert torch.equal(got, g[:, :2])
 
@@ -371,6 +373,250 @@ def test_into_copy_on_write_outputs_leave_their_sources_alone(kernel):
     for s in sources:
         assert torch.equal(s.cpu(), torch.full(s.shape, -5.0))
     _assert_equal([t.cpu() for t in outs], permute_multi_embedding_reference(xs, p, i, o, n))
+
+
+# --- hand-made plans: duplicates found in the plan, column 5 ignored ------------------------
+# The backward's sums come from the rows themselves (which rows write which input-gradient
+# columns), never from column 5 (torchrec's `next` chain), which the CPU op ignores too:
+# every plan the op accepts gives the CPU op's bits.
+
+
+def _bits(t):
+    """The tensor's bits (signed zeros and NaN payloads differ here)."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _assert_same_bits(got, want):
+    assert len(got) == len(want)
+    for j, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (j, g.dtype, g.shape, w.dtype, w.shape)
+        assert torch.equal(_bits(g), _bits(w)), (j, g, w)
+
+
+def _signed_values(batch, width, dtype, seed, spread=10):
+    """Random non-integer values of magnitudes 2**-spread to 2**spread (a sum's order shows
+    in its bits; float32 sums of bfloat16 values need spread 24), some of them -0.0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, width, generator=g, dtype=torch.float64)
+    x *= 2.0 ** torch.randint(-spread, spread + 1, (batch, width), generator=g)
+    x[torch.rand(batch, width, generator=g) < 0.1] = -0.0
+    return x.to(dtype)
+
+
+# (in_widths, out_widths, rows [in_t, out_t, in_off, out_off, length, next])
+HAND_MADE = {
+    # A key used twice, column 5 all zeros (no chain): both rows must be summed.
+    "duplicates_without_chain": ([6], [6, 6], [[0, 0, 0, 0, 6, 0], [0, 1, 0, 0, 6, 0]]),
+    # Key a's row chained to key b's row; b's two rows not chained.
+    "chain_to_another_key": (
+        [5], [5, 2], [[0, 0, 0, 0, 3, 1], [0, 0, 3, 3, 2, -3], [0, 1, 3, 0, 2, 0]],
+    ),
+    # One key three times, chained 0 -> 2 -> 1: the sum is in plan order all the same.
+    "chain_out_of_plan_order": (
+        [8], [8, 8, 8], [[0, 0, 0, 0, 8, 2], [0, 1, 0, 0, 8, -3], [0, 2, 0, 0, 8, -1]],
+    ),
+    # The first occurrence marked as a later one, the second as a key used once.
+    "head_marked_as_later": ([4], [4, 4], [[0, 0, 0, 0, 4, -2], [0, 1, 0, 0, 4, 0]]),
+    # Rows over partly shared columns: [0, 6) and [2, 8) of one input.
+    "partial_overlap": ([8], [6, 6], [[0, 0, 0, 0, 6, 0], [0, 1, 2, 0, 6, 0]]),
+    # An earlier row inside a later one: the later row's columns on both sides of it.
+    "earlier_row_inside_later": (
+        [9, 3], [2, 9, 3], [[0, 0, 3, 0, 2, 0], [1, 2, 0, 0, 3, 0], [0, 1, 0, 0, 9, 0]],
+    ),
+    # Three rows staggered over one input, another input's key used once, unread columns.
+    "staggered": (
+        [12, 5],
+        [7, 5, 6],
+        [[0, 0, 1, 0, 5, 0], [1, 1, 0, 0, 5, 9], [0, 2, 4, 0, 6, 0], [0, 0, 3, 5, 2, -1]],
+    ),
+    # More overlapping rows than a block lists in shared memory, each at its own columns.
+    "many_overlaps": ([5], [3 * 40], [[0, 0, k % 3, 3 * k, 3, (7 * k) % 41 - 20] for k in range(40)]),
+}
+
+
+def _hand_made(name, index_dtype=torch.int64):
+    in_widths, out_widths, rows = HAND_MADE[name]
+    return (torch.tensor(rows, dtype=index_dtype), torch.tensor(in_widths),
+            torch.tensor(out_widths), in_widths, out_widths)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(HAND_MADE))
+@pytest.mark.parametrize(
+    "grad_dtype,dtype",
+    [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float16,) * 2, (torch.float64,) * 2,
+     (torch.float32, torch.bfloat16), (torch.float16, torch.float64)],
+    ids=["fp32", "bf16", "fp16", "fp64", "fp32_to_bf16", "fp16_to_fp64"],
+)  # fmt: skip
+def test_backward_of_hand_made_plans_has_the_cpu_ops_bits(kernel, name, grad_dtype, dtype):
+    p, i, o, in_widths, out_widths = _hand_made(name)
+    batch = 37
+    grads = [_signed_values(batch, w, grad_dtype, 100 + j) for j, w in enumerate(out_widths)]
+    got = kernel.backward(grads, p, i, o, in_widths, batch, dtype)
+    _assert_same_bits(got, ops.permute_multi_embedding_backward(grads, p, i, o, in_widths, batch, dtype))
+    if len(grads) > 1:  # a gradient given as None adds nothing
+        grads[1] = None
+        got = kernel.backward(grads, p, i, o, in_widths, batch, dtype)
+        _assert_same_bits(got, ops.permute_multi_embedding_backward(grads, p, i, o, in_widths, batch, dtype))
+
+
+@st.composite
+def _random_plans(draw):
+    """Rows of random tensors, offsets and lengths inside them and garbage in column 5."""
+    in_widths = draw(st.lists(st.integers(0, 12), min_size=1, max_size=3))
+    out_widths = draw(st.lists(st.integers(1, 12), min_size=1, max_size=3))
+    rows = []
+    for _ in range(draw(st.integers(0, 10))):
+        it, ot = draw(st.integers(0, len(in_widths) - 1)), draw(st.integers(0, len(out_widths) - 1))
+        length = draw(st.integers(0, min(in_widths[it], out_widths[ot])))
+        rows.append([it, ot, draw(st.integers(0, in_widths[it] - length)),
+                     draw(st.integers(0, out_widths[ot] - length)), length,
+                     draw(st.integers(-12, 12))])  # fmt: skip
+    return in_widths, out_widths, rows
+
+
+@settings(max_examples=60)
+@given(
+    plan=_random_plans(),
+    seed=st.integers(0, 10_000),
+    batch=st.sampled_from([1, 9]),
+    dtypes=st.sampled_from([(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float64, torch.float16)]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_backward_of_random_plans_has_the_cpu_ops_bits(kernel, plan, seed, batch, dtypes, index_dtype):
+    in_widths, out_widths, rows = plan
+    p = torch.tensor(rows, dtype=index_dtype).view(-1, 6)
+    i, o = torch.tensor(in_widths), torch.tensor(out_widths)
+    grads = [_signed_values(batch, w, dtypes[0], seed + j) for j, w in enumerate(out_widths)]
+    got = kernel.backward(grads, p, i, o, in_widths, batch, dtypes[1])
+    _assert_same_bits(got, ops.permute_multi_embedding_backward(grads, p, i, o, in_widths, batch, dtypes[1]))
+
+
+@pytest.mark.parametrize("op", ["backward", "vbe_backward"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sums_follow_plan_order_not_the_chain(kernel, op, dtype):
+    # 1 + -1 + 2**-30 in plan order is 2**-30; chained 0 -> 2 -> 1 it would be 0.
+    p, i, o, in_widths, out_widths = _hand_made("chain_out_of_plan_order")
+    grads = [torch.full((3, 8), v, dtype=dtype) for v in (1.0, -1.0, 2.0**-30)]
+    if op == "backward":
+        got = kernel.backward(grads, p, i, o, in_widths, 3, dtype)
+        _assert_same_bits(got, [torch.full((3, 8), 2.0**-30, dtype=dtype)])
+    else:  # rows 0 and 2 read by samples 1 and 0, 2
+        args = (grads, [torch.tensor([2, 0, 2])], p, i, o, in_widths, [3])
+        got = kernel.vbe_backward(*args, 3, dtype).view(3, 8)
+        want = torch.tensor([2.0**-30, 0, 2 * 2.0**-30]).to(dtype).view(3, 1).expand(3, 8)
+        _assert_same_bits([got], [want])
+
+
+def test_duplicates_in_other_chunks_of_the_plan(kernel):
+    # 300 rows (a block scans them kThreads at a time): each input column written by a row of the
+    # first chunk and by rows of the second, chained nowhere.
+    rows = [[0, 0, k, k, 1, 0] for k in range(150)]
+    rows += [[0, 1, (7 * k) % 149, 2 * k, 2, 0] for k in range(150)]
+    p, i, o = torch.tensor(rows), torch.tensor([150]), torch.tensor([150, 300])
+    grads = [_signed_values(3, w, torch.float32, 300 + j) for j, w in enumerate((150, 300))]
+    _assert_same_bits(kernel.backward(grads, p, i, o, [150], 3, torch.float32),
+                      ops.permute_multi_embedding_backward(grads, p, i, o, [150], 3, torch.float32))  # fmt: skip
+    args = (grads, [torch.tensor([1, 0, 1])], p, i, o, [150], [2])
+    _assert_same_bits([kernel.vbe_backward(*args, 3, torch.float32)],
+                      [ops.permute_multi_embedding_vbe_backward(*args, torch.float32)])  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(HAND_MADE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_vbe_backward_of_hand_made_plans_has_the_cpu_ops_bits(kernel, name, dtype):
+    p, i, o, in_widths, out_widths = _hand_made(name)
+    batch = 29
+    g = torch.Generator().manual_seed(5)
+    # Input 0 indexed (rows read by several samples, one by none), any other one not.
+    in_rows = [7] + [batch] * (len(in_widths) - 1)
+    indices = [torch.randint(0, 6, (batch,), generator=g)] + [None] * (len(in_widths) - 1)
+    grads = [_signed_values(batch, w, dtype, 200 + j, spread=24) for j, w in enumerate(out_widths)]
+    args = (grads, indices, p, i, o, in_widths, in_rows)
+    _assert_same_bits([kernel.vbe_backward(*args, batch, dtype)], [ops.permute_multi_embedding_vbe_backward(*args, dtype)])
+    # Without an index: a row is its own sample.
+    args = (grads, [None] * len(in_widths), p, i, o, in_widths, [batch] * len(in_widths))
+    _assert_same_bits([kernel.vbe_backward(*args, batch, dtype)], [ops.permute_multi_embedding_vbe_backward(*args, dtype)])
+
+
+# --- the emulation runs blocks as a device may, and checks what a device checks ----------
+
+
+@pytest.fixture
+def emulation(kernel):
+    if not isinstance(kernel, Emulated):
+        pytest.skip("checks of the emulation (the GPU runs the kernels themselves)")
+    yield kernel.ext
+    kernel.ext.set_block_order(0)
+
+
+def _every_op(ext):
+    """Forward, _into, backward and the VBE ops on a random layout and hand-made plans."""
+    layout = random_layout(11)
+    p, i, o, n = _plan(layout)
+    xs = [_values(9, w, torch.float32, seed=k) for k, w in enumerate(layout.in_widths)]
+    outs = [torch.full((9, w), float("nan")) for w in n]
+    ext.into(xs, p, outs)
+    grads = [_signed_values(9, w, torch.float32, 40 + j) for j, w in enumerate(n)]
+    got = ext.forward(xs, p, n, None) + outs
+    got += ext.backward(grads, p, layout.in_widths, 9, torch.bfloat16)
+    for name in ("staggered", "many_overlaps"):
+        hp, _, _, in_widths, out_widths = _hand_made(name)
+        hg = [_signed_values(6, w, torch.float32, 60 + j) for j, w in enumerate(out_widths)]
+        got += ext.backward(hg, hp, in_widths, 6, torch.float32)
+        index = [torch.tensor([2, 0, 2, 1, 0, 2])] + [None] * (len(in_widths) - 1)
+        rows = [3] + [6] * (len(in_widths) - 1)
+        got.append(ext.vbe_backward(hg, index, hp, in_widths, rows, 6, torch.float32))
+    xs, indices, (p, i, o, n), in_rows = _vbe_case(5, 7, torch.float32, torch.int64)
+    got += ext.vbe_forward(xs, indices, p, n, 7)
+    return got
+
+
+def test_results_do_not_depend_on_the_order_of_blocks(emulation):
+    emulation.set_block_order(-1)  # index order
+    want = _every_op(emulation)
+    for seed in (1, 2, 3):
+        emulation.set_block_order(seed)
+        _assert_same_bits(_every_op(emulation), want)
+
+
+def test_random_block_orders_show_a_race(emulation):
+    # Two rows of a bad plan write the same output columns: which block runs last wins.
+    p = torch.tensor([[0, 0, 0, 0, 4, 0], [1, 0, 0, 0, 4, 0]])
+    xs = [torch.zeros(2, 4), torch.ones(2, 4)]
+    seen = set()
+    for seed in range(8):
+        emulation.set_block_order(seed)
+        (out,) = emulation.forward(xs, p, [4], None)
+        seen.add(float(out[0, 0]))
+    assert seen == {0.0, 1.0}
+
+
+def test_shared_memory_is_poisoned_before_each_block(emulation):
+    for seed in (-1, 1):
+        emulation.set_block_order(seed)
+        assert torch.equal(emulation.unwritten_shared(3), torch.full((3, 16), 0xFF, dtype=torch.uint8))
+
+
+def test_misaligned_16_byte_accesses_are_trapped(emulation):
+    emulation.vector_access(16)
+    with pytest.raises(RuntimeError, match=r"misaligned 16-byte load at 0x[0-9a-f]+ \(block 0, thread 0\)"):
+        emulation.vector_access(4)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [(lambda e: e.launch(0, 256), "grid of 0 blocks"),
+     (lambda e: e.launch(2**31, 256), "grid of 2147483648 blocks"),
+     (lambda e: e.launch(1, 1025), "1025 threads per block"),
+     (lambda e: e.many_parameter_bytes(), "4100 bytes of kernel parameters"),
+     (lambda e: e.shared_bytes(48 * 1024 + 1), "49153 bytes of shared memory")],
+    ids=["no_blocks", "grid_x", "threads", "parameters", "shared_memory"],
+)  # fmt: skip
+def test_launches_past_the_device_limits_are_refused(emulation, call, message):
+    emulation.launch(1, 256)
+    emulation.shared_bytes(48 * 1024)
+    with pytest.raises(ValueError, match="emulated launch over the device's limits: " + message):
+        call(emulation)
 
 
 # --- the variable-batch ops (permute_multi_embedding_vbe{,_backward}) -----------------------

@@ -43,20 +43,22 @@
 // blocks and zero blocks write disjoint columns, so one launch does both; nothing is
 // zero-filled and then overwritten.
 //
-// *Duplicates* (the backward): rows carry torchrec's chain in column 5 (the first
-// occurrence of a key points to the second; later ones hold minus the index of the next
-// one, or -len(permutes) at the end; keys used once hold 0). Only rows with next >= 0
-// work: such a block sums the gradient blocks of its chain in row order, in float32 for
-// float16/bfloat16 (float64 where either side is float64, PyTorch's promotion), and
-// stores each input-gradient element once. No atomics, no read-modify-write of global
-// memory.
+// *Duplicates* (the backward) are found in the plan, as the CPU kernel finds them:
+// column 5 (torchrec's `next` chain) is never read, so a hand-made plan, or one whose
+// chains differ, gives the CPU kernel's bits. A block of row r scans the plan (kThreads
+// rows at a time) for the rows that write any of r's input-gradient columns: those an
+// earlier row writes are that row's; on the others r's block sums the gradient blocks of
+// r and of every later row writing them, in plan order, in float32 for float16/bfloat16
+// (float64 where either side is float64, PyTorch's promotion); a column one gradient
+// block of the same dtype writes keeps its bits (-0.0 too). Each input-gradient element
+// is stored once. No atomics, no read-modify-write of global memory. Rows of other keys
+// cost the scan only; more than kMaxLinks overlapping rows make every element walk the
+// plan (slow, same bits).
 //
 // *Bad rows* never make an access leave its tensor: writes are clipped to the written
-// tensor, reads outside the read tensor give 0, a tensor index outside the list makes
-// the row a no-op (its columns are zero-filled), and a chain walk stops after
-// len(permutes) steps. What a bad plan computes is then defined but not meaningful:
-// overlapping output segments race, duplicates without a chain (next == 0 twice) race, a
-// chain linking different keys sums their blocks.
+// tensor, reads outside the read tensor give 0, and a tensor index outside the list
+// makes the row a no-op (its columns are zero-filled). What a bad plan computes is then
+// defined but not meaningful: overlapping output segments of the forward race.
 //
 // *Variable batch* (permute_multi_embedding_vbe: out[j][b, cols] =
 // pooled_embs[i][indices[i][b], cols], an input without an index read at row b). The
@@ -66,11 +68,12 @@
 // per indexed input, ATen ops on the device order its samples by row (a stable sort of
 // the index and a search of each row's first sample: samples_by_row, a few launches per
 // indexed input, no host sync); then one launch (per chunk of inputs) whose blocks are
-// (chain head, tile of its input's rows), over the largest input's rows, blocks past
-// their input's rows exiting at once. Each element sums its chain's gradient blocks in row
-// order, each over the row's samples in sample order, in float32 for float16/bfloat16: the
-// CPU kernel's order, so its bits; rows no sample reads get zeros from the head's block,
-// columns no head writes from zero blocks clipped to each input's rows. The input
+// (permute row, tile of its input's rows), over the largest input's rows, blocks past
+// their input's rows exiting at once. Each element a block owns (as in the backward)
+// sums over the row's samples in sample order, each sample's gradient blocks in plan
+// order, in float32 for float16/bfloat16: the CPU kernel's order, so its bits; rows no
+// sample reads get zeros from the owning block, columns no row writes from zero blocks
+// clipped to each input's rows. The input
 // gradients are views of one flat buffer (what the op returns). A row's sum is one
 // thread's loop: rows read by many samples are slow, the price of the CPU's bits.
 // Indices are checked on the device: an index outside its input stops the kernel with a
@@ -160,6 +163,28 @@ bool is_float(c10::ScalarType t) {
   return dtype_code(t) != kOther;
 }
 
+// The kernels' global memory accesses: data through ld/st (kSite names the call site),
+// plan rows through ld_plan; tile_begins / tile_step mark a loop over a tile and each of
+// its steps (a warp's lanes in step). Plain accesses on the device; the emulation
+// (tests/cuda_emulation.cpp) traps misaligned 16-byte ones and its cost model records
+// each access.
+#ifndef KT_REGROUP_MEMORY_HOOKS
+template <int kSite, typename T>
+__device__ __forceinline__ T ld(const T* p) {
+  return *p;
+}
+template <int kSite, typename T>
+__device__ __forceinline__ void st(T* p, const T& v) {
+  *p = v;
+}
+template <typename T>
+__device__ __forceinline__ T ld_plan(const T* p) {
+  return *p;
+}
+__device__ __forceinline__ void tile_begins() {}
+__device__ __forceinline__ void tile_step() {}
+#endif
+
 // Up to N tensors of one side, by value. Strides and widths in elements.
 template <int N>
 struct Tensors {
@@ -180,8 +205,8 @@ struct Plan {
 
   __device__ int64_t at(int64_t r, int k) const {
     const int64_t o = r * s0 + k * s1;
-    return is64 ? static_cast<const int64_t*>(data)[o]
-                : static_cast<int64_t>(static_cast<const int32_t*>(data)[o]);
+    return is64 ? ld_plan(static_cast<const int64_t*>(data) + o)
+                : static_cast<int64_t>(ld_plan(static_cast<const int32_t*>(data) + o));
   }
 };
 
@@ -197,7 +222,7 @@ struct Launch {
 };
 
 struct Row {
-  int64_t read_t, write_t, read_off, write_off, length, next;
+  int64_t read_t, write_t, read_off, write_off, length;
 };
 
 // Row r read in the direction of the pass: the forward reads inputs, the backward reads
@@ -210,7 +235,6 @@ __device__ Row load_row(const Plan& p, int64_t r) {
   row.read_off = p.at(r, kBackward ? 3 : 2);
   row.write_off = p.at(r, kBackward ? 2 : 3);
   row.length = p.at(r, 4);
-  row.next = p.at(r, 5);
   return row;
 }
 
@@ -244,9 +268,7 @@ __device__ bool writes(
     const Row& row, const Tensors<NW>& w, const Launch& L, int64_t& wt, Span& s) {
   wt = row.write_t - w.lo;
   if (wt < 0 || wt >= w.count) return false;
-  if (kBackward) {
-    if (row.next < 0) return false;  // not a chain head: its head writes these columns
-  } else if (row.read_t < 0 || row.read_t >= L.n_reads_total) {
+  if (!kBackward && (row.read_t < 0 || row.read_t >= L.n_reads_total)) {
     return false;  // reads nothing: its columns are zero-filled
   }
   s = clip(row.write_off, row.length, w.width[wt]);
@@ -262,7 +284,9 @@ __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
   // Stepping by kThreads elements without a division per element.
   const int64_t step_b = kThreads / cols, step_j = kThreads % cols;
   int64_t b = threadIdx.x / cols, j = threadIdx.x % cols;
+  tile_begins();
   for (int64_t i = threadIdx.x; i < total; i += int64_t(kThreads) * kUnroll) {
+    tile_step();
     T v[kUnroll];
     int64_t bs[kUnroll], js[kUnroll];
 #pragma unroll
@@ -346,14 +370,16 @@ __device__ void zero_block(
   if (!__syncthreads_or(gap)) return;
   const int64_t b0 = (blk / L.zero_col_tiles) * L.zero_rows;
   const int64_t b1 = imin(L.batch, b0 + L.zero_rows);
+  tile_begins();
   for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) {
+    tile_step();
     if (covered[k]) continue;
     const int64_t c = c0 + k;
     int t = 0;
     while (t + 1 < w.count && c >= first[t + 1]) ++t;
     E* dst = reinterpret_cast<E*>(const_cast<char*>(w.ptr[t])) + (c - first[t]);
     const int64_t rs = w.row_stride[t], end = rows ? imin(b1, rows[t]) : b1;
-    for (int64_t b = b0; b < end; ++b) dst[b * rs] = E{};
+    for (int64_t b = b0; b < end; ++b) st<__LINE__>(dst + b * rs, E{});
   }
 }
 
@@ -374,8 +400,9 @@ __device__ int64_t index_row(const RowIndex<N>& x, int64_t t, int64_t b, int64_t
   const void* p = x.index[t];
   if (p == nullptr) return b;
   const int64_t o = b * x.stride[t];
-  const int64_t v = x.is64[t] ? static_cast<const int64_t*>(p)[o]
-                              : static_cast<int64_t>(static_cast<const int32_t*>(p)[o]);
+  const int64_t v = x.is64[t]
+                        ? ld<__LINE__>(static_cast<const int64_t*>(p) + o)
+                        : static_cast<int64_t>(ld<__LINE__>(static_cast<const int32_t*>(p) + o));
   const bool inside = v >= 0 && v < x.rows[t];
   KT_REGROUP_INDEX_ASSERT(
       inside,
@@ -425,9 +452,9 @@ __device__ void copy_block(
           rows, row_bytes / 16,
           [&](int64_t b, int64_t j) {
             const int64_t from = row_of(rt, b0 + b);
-            return from >= 0 ? vs[from * v_srs + j] : uint4{0, 0, 0, 0};
+            return from >= 0 ? ld<__LINE__>(vs + from * v_srs + j) : uint4{0, 0, 0, 0};
           },
-          [&](int64_t b, int64_t j, const uint4& v) { vd[b * v_drs + j] = v; });
+          [&](int64_t b, int64_t j, const uint4& v) { st<__LINE__>(vd + b * v_drs + j, v); });
       return;
     }
   }
@@ -437,10 +464,11 @@ __device__ void copy_block(
       rows, cols,
       [&](int64_t b, int64_t j) {
         const int64_t c = s.lo + j, from = row_of(rt, b0 + b);
-        return (c >= rd.lo && c < rd.hi && from >= 0) ? src[from * srs + (row.read_off + c) * scs]
-                                                      : E{};
+        return (c >= rd.lo && c < rd.hi && from >= 0)
+                   ? ld<__LINE__>(src + from * srs + (row.read_off + c) * scs)
+                   : E{};
       },
-      [&](int64_t b, int64_t j, const E& v) { d[(b0 + b) * drs + j] = v; });
+      [&](int64_t b, int64_t j, const E& v) { st<__LINE__>(d + (b0 + b) * drs + j, v); });
 }
 
 // The forward as a byte copy.
@@ -480,13 +508,14 @@ template <typename Dst>
 __device__ __forceinline__ Dst load_as(const char* p, int8_t code) {
   switch (code) {
     case kF32:
-      return convert<Dst>(*reinterpret_cast<const float*>(p));
+      return convert<Dst>(ld<__LINE__>(reinterpret_cast<const float*>(p)));
     case kF64:
-      return convert<Dst>(*reinterpret_cast<const double*>(p));
+      return convert<Dst>(ld<__LINE__>(reinterpret_cast<const double*>(p)));
     case kF16:
-      return convert<Dst>(static_cast<float>(*reinterpret_cast<const c10::Half*>(p)));
+      return convert<Dst>(static_cast<float>(ld<__LINE__>(reinterpret_cast<const c10::Half*>(p))));
     default:
-      return convert<Dst>(static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(p)));
+      return convert<Dst>(
+          static_cast<float>(ld<__LINE__>(reinterpret_cast<const c10::BFloat16*>(p))));
   }
 }
 
@@ -519,7 +548,7 @@ __global__ void __launch_bounds__(kThreads) permute_cast_kernel(
         if (c < rd.lo || c >= rd.hi) return Dst(0);
         return load_as<Dst>(src + ((b0 + b) * srs + (row.read_off + c) * scs) * es, code);
       },
-      [&](int64_t b, int64_t j, const Dst& v) { dst[(b0 + b) * drs + j] = v; });
+      [&](int64_t b, int64_t j, const Dst& v) { st<__LINE__>(dst + (b0 + b) * drs + j, v); });
 }
 
 template <typename T>
@@ -535,93 +564,242 @@ struct Accumulate<c10::BFloat16> {
   using type = float;
 };
 
-// One gradient block of a chain: the head's columns c in [lo, hi) read
-// grads[t][b, off + c].
-struct Link {
-  const char* ptr;
-  int64_t rs, cs, off, lo, hi;
-  int8_t code;  // the gradient's DtypeCode
-};
-constexpr int kMaxLinks = 16;  // longer chains walk the plan per element
-
 template <typename T>
-constexpr DtypeCode code_of() {
+__host__ __device__ constexpr DtypeCode code_of() {
   return std::is_same_v<T, float>       ? kF32
          : std::is_same_v<T, double>    ? kF64
          : std::is_same_v<T, c10::Half> ? kF16
                                         : kBF16;
 }
 
-// Calls f(row) for each row of the chain that starts at `head`, in row order (a head's
-// link is the next row itself; later rows hold minus the next one), at most n_rows rows;
-// stops where f returns false.
-template <typename F>
-__device__ void for_chain(const Plan& p, Row cur, F f) {
-  for (int64_t steps = 1;; ++steps) {
-    if (!f(cur)) return;
-    const int64_t next = steps == 1 ? cur.next : -cur.next;
-    if (next <= 0 || next >= p.n_rows || steps >= p.n_rows) return;
-    cur = load_row<true>(p, next);
+// A backward row's columns [lo, hi) of its input gradient wt (column x = write_off + c),
+// and of those the ones its gradient block adds to (`adds`: read inside the gradient;
+// empty where the gradient is outside the list or undefined). False: it writes nothing
+// in this launch.
+template <int NW>
+__device__ bool backward_span(
+    const Row& row,
+    const Tensors<kMaxReads>& grads,
+    const Tensors<NW>& out,
+    const Launch& L,
+    int64_t& wt,
+    Span& cols,
+    Span& adds) {
+  Span s;
+  if (!writes<true>(row, out, L, wt, s)) return false;
+  cols = {row.write_off + s.lo, row.write_off + s.hi};
+  adds = {0, 0};
+  const int64_t gt = row.read_t;  // gradient outputs are never chunked
+  if (gt >= 0 && gt < grads.count) {
+    const Span rd = clip(row.read_off, row.length, grads.width[gt]);
+    const int64_t lo = imax(rd.lo, s.lo), hi = imin(rd.hi, s.hi);
+    if (lo < hi) adds = {row.write_off + lo, row.write_off + hi};
+  }
+  return true;
+}
+
+// One gradient block adding to input-gradient columns x in [lo, hi): it reads
+// grads[t][b, x + shift].
+struct Link {
+  const char* ptr;
+  int64_t rs, cs, shift, lo, hi;
+  int8_t code;  // the gradient's DtypeCode
+};
+
+// `adds` non-empty: both read_off + c and write_off + c lie inside their tensors, so
+// `shift` (their difference) cannot overflow.
+__device__ Link link_of(const Row& row, const Tensors<kMaxReads>& grads, Span adds) {
+  const int64_t gt = row.read_t;
+  return Link{grads.ptr[gt],
+              grads.row_stride[gt],
+              grads.col_stride[gt],
+              row.read_off - row.write_off,
+              adds.lo,
+              adds.hi,
+              grads.dtype[gt]};
+}
+
+constexpr int kMaxLinks = 32;  // rows a block lists; with more, each element walks the plan
+// A run [lo, hi) of the columns a block owns with one set of gradient blocks: bit k of
+// `links` set where Sums::links[k] adds (bit order is plan order).
+struct Piece {
+  int64_t lo, hi;
+  uint32_t links;
+};
+static_assert(kMaxLinks <= 32, "one bit per link");
+constexpr int kMaxPieces = 4 * kMaxLinks + 1;  // runs between 4 * kMaxLinks + 2 ends
+
+// What a backward block of row r sums over its columns, found in the plan (no column 5:
+// torchrec's chains, which the CPU kernel does not read either). Of r's columns, those an
+// earlier row writes are the earlier row's (its block sums them); r's block sums, on the
+// others, the gradient blocks of r and of every later row writing them, in plan order:
+// the CPU kernel's sums, so its bits, whatever the plan's duplicates.
+struct Sums {
+  Link links[kMaxLinks];    // rows r and later adding to r's columns, in plan order
+  Span earlier[kMaxLinks];  // columns of r's that earlier rows write
+  Piece pieces[kMaxPieces];
+  int n_links, n_earlier, n_pieces;
+  bool walk;  // more rows than listed: every element walks the plan (walk_column)
+  bool none;  // earlier rows write all of r's columns: the block does nothing
+};
+
+// Whether the spans cover [cols.lo, cols.hi).
+__device__ bool covers(const Span* spans, int n, Span cols) {
+  int64_t x = cols.lo;
+  for (bool grew = true; x < cols.hi && grew;) {
+    grew = false;
+    for (int k = 0; k < n; ++k) {
+      if (spans[k].lo <= x && x < spans[k].hi) {
+        x = spans[k].hi;
+        grew = true;
+      }
+    }
+  }
+  return x >= cols.hi;
+}
+
+// The runs of r's own columns with one set of links (one thread).
+__device__ void build_pieces(Sums& S, Span cols) {
+  int64_t ends[2 + 4 * kMaxLinks];
+  int n = 0;
+  ends[n++] = cols.lo;
+  ends[n++] = cols.hi;
+  for (int k = 0; k < S.n_earlier; ++k) {
+    ends[n++] = S.earlier[k].lo;
+    ends[n++] = S.earlier[k].hi;
+  }
+  for (int k = 0; k < S.n_links; ++k) {
+    ends[n++] = S.links[k].lo;
+    ends[n++] = S.links[k].hi;
+  }
+  for (int i = 1; i < n; ++i) {  // insertion sort: a handful of ends, as a rule
+    const int64_t v = ends[i];
+    int j = i;
+    for (; j > 0 && ends[j - 1] > v; --j) ends[j] = ends[j - 1];
+    ends[j] = v;
+  }
+  for (int i = 0; i + 1 < n; ++i) {
+    const int64_t a = ends[i], e = ends[i + 1];
+    if (a == e) continue;
+    bool owned = true;
+    for (int k = 0; k < S.n_earlier; ++k) owned &= !(S.earlier[k].lo <= a && a < S.earlier[k].hi);
+    if (!owned) continue;
+    uint32_t mask = 0;
+    for (int k = 0; k < S.n_links; ++k) {
+      if (S.links[k].lo <= a && a < S.links[k].hi) mask |= uint32_t(1) << k;
+    }
+    Piece* last = S.n_pieces > 0 ? &S.pieces[S.n_pieces - 1] : nullptr;
+    if (last && last->hi == a && last->links == mask) {
+      last->hi = e;
+    } else {
+      S.pieces[S.n_pieces++] = Piece{a, e, mask};
+    }
   }
 }
 
-// The gradient blocks of a head's chain that meet the head's columns `s`, in row order:
-// their number, or -1 where there are more than kMaxLinks (then for_links walks the chain).
-__device__ int chain_links(
-    const Plan& p, const Row& head, Span s, const Tensors<kMaxReads>& grads, Link* links) {
-  int k = 0;
-  for_chain(p, head, [&](const Row& cur) {
-    const int64_t gt = cur.read_t;  // gradient outputs are never chunked
-    if (gt < 0 || gt >= grads.count) return true;
-    const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
-    const int64_t lo = imax(rd.lo, s.lo), hi = imin(rd.hi, s.hi);
-    if (lo >= hi) return true;
-    if (k == kMaxLinks) {
-      k = -1;
-      return false;
+// Fills S for the block of row r (columns `cols` of input gradient wt): the plan is
+// scanned kThreads rows at a time, each thread testing one row, one thread listing the
+// rows that write any of r's columns, in plan order.
+template <int NW>
+__device__ void find_sums(
+    const Launch& L,
+    const Tensors<kMaxReads>& grads,
+    const Tensors<NW>& out,
+    int64_t r,
+    int64_t wt,
+    Span cols,
+    Sums& S) {
+  __shared__ bool hit[kThreads];
+  if (threadIdx.x == 0) {
+    S.n_links = S.n_earlier = S.n_pieces = 0;
+    S.walk = S.none = false;
+  }
+  for (int64_t k0 = 0; k0 < L.plan.n_rows; k0 += kThreads) {
+    const int64_t k = k0 + threadIdx.x;
+    bool h = false;
+    if (k < L.plan.n_rows) {
+      int64_t ot;
+      Span oc, oa;
+      h = backward_span(load_row<true>(L.plan, k), grads, out, L, ot, oc, oa) && ot == wt &&
+          oc.lo < cols.hi && cols.lo < oc.hi;
     }
-    links[k++] =
-        Link{grads.ptr[gt],  grads.row_stride[gt], grads.col_stride[gt], cur.read_off, lo, hi,
-             grads.dtype[gt]};
-    return true;
-  });
+    hit[threadIdx.x] = h;
+    if (!__syncthreads_or(h)) continue;  // as a rule: rows of other keys only
+    if (threadIdx.x == 0) {
+      for (int t = 0; t < kThreads && !S.walk; ++t) {
+        if (!hit[t]) continue;
+        const Row o = load_row<true>(L.plan, k0 + t);
+        int64_t ot;
+        Span oc, oa;
+        backward_span(o, grads, out, L, ot, oc, oa);
+        if (k0 + t < r) {
+          if (S.n_earlier == kMaxLinks) {
+            S.walk = true;
+          } else {
+            S.earlier[S.n_earlier++] = Span{imax(oc.lo, cols.lo), imin(oc.hi, cols.hi)};
+          }
+          continue;
+        }
+        const Span a{imax(oa.lo, cols.lo), imin(oa.hi, cols.hi)};
+        if (a.lo >= a.hi) continue;  // adds nothing here
+        if (S.n_links == kMaxLinks) {
+          S.walk = true;
+        } else {
+          S.links[S.n_links++] = link_of(o, grads, a);
+        }
+      }
+      // Every earlier row is listed once r's own chunk is.
+      if (!S.walk && k0 <= r && r < k0 + kThreads) S.none = covers(S.earlier, S.n_earlier, cols);
+    }
+    __syncthreads();
+    if (S.walk || S.none) return;
+  }
+  if (threadIdx.x == 0) build_pieces(S, cols);
+  __syncthreads();
+}
+
+// Where S.walk: whether row r's block owns column x (no earlier row writes it), calling
+// f(link) for each gradient block adding to x, in plan order, where it does.
+template <int NW, typename F>
+__device__ bool walk_column(
+    const Launch& L,
+    const Tensors<kMaxReads>& grads,
+    const Tensors<NW>& out,
+    int64_t r,
+    int64_t wt,
+    int64_t x,
+    F f) {
+  for (int64_t k = 0; k < L.plan.n_rows; ++k) {
+    const Row o = load_row<true>(L.plan, k);
+    int64_t ot;
+    Span oc, oa;
+    if (!backward_span(o, grads, out, L, ot, oc, oa) || ot != wt || x < oc.lo || x >= oc.hi) {
+      continue;
+    }
+    if (k < r) return false;
+    if (x >= oa.lo && x < oa.hi) f(link_of(o, grads, oa));
+  }
+  return true;
+}
+
+__device__ __forceinline__ int link_count(uint32_t mask) {
+  int n = 0;
+  for (; mask; mask &= mask - 1) ++n;
+  return n;
+}
+
+__device__ __forceinline__ int first_link(uint32_t mask) {
+  int k = 0;
+  while (!(mask >> k & 1)) ++k;
   return k;
 }
 
-// Calls add(link) for each gradient block of the chain that holds the head's column c, in
-// row order: from `links` (chain_links), or walking the plan where count is -1.
-template <typename Add>
-__device__ void for_links(
-    int count,
-    const Link* links,
-    const Plan& p,
-    const Row& head,
-    const Tensors<kMaxReads>& grads,
-    int64_t c,
-    Add add) {
-  if (count >= 0) {
-    for (int k = 0; k < count; ++k) {
-      if (c >= links[k].lo && c < links[k].hi) add(links[k]);
-    }
-    return;
-  }
-  for_chain(p, head, [&](const Row& cur) {
-    const int64_t gt = cur.read_t;
-    if (gt >= 0 && gt < grads.count) {
-      const Span rd = clip(cur.read_off, cur.length, grads.width[gt]);
-      if (c >= rd.lo && c < rd.hi) {
-        add(Link{
-            grads.ptr[gt], grads.row_stride[gt], grads.col_stride[gt], cur.read_off, rd.lo, rd.hi,
-            grads.dtype[gt]});
-      }
-    }
-    return true;
-  });
-}
-
-// The backward: chain heads sum their chain's gradient blocks (any float dtype, read at
-// run time) into input gradients (D). PyTorch adds a gradient to its accumulator in
-// their promoted type, `Compute`: double where either is double, else float.
+// The backward: each block sums the gradient blocks of the columns its row owns
+// (find_sums) into input gradients (D), from gradients of any float dtype (read at run
+// time), as the CPU kernel sums them: a column one block adds to keeps that value's bits
+// (D's dtype) or is converted through Acc; several are summed in plan order, in Acc
+// (float32 for float16/bfloat16), each addition done in `Compute` (PyTorch's promotion
+// of an accumulator and a gradient: double where either is double, else float).
 template <typename D, typename Compute>
 __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
     const Launch L, const Tensors<kMaxReads> grads, const Tensors<kMaxTensors> out) {
@@ -629,84 +807,97 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
   int64_t blk = blockIdx.x;
   if (blk < L.zero_blocks) return zero_block<true, sizeof(D)>(L, out, blk);
   blk -= L.zero_blocks;
-  const int64_t head = blk % L.plan.n_rows;
-  const Row row = load_row<true>(L.plan, head);
+  const int64_t r = blk % L.plan.n_rows;
   int64_t wt;
-  Span s;
-  if (!writes<true>(row, out, L, wt, s)) return;
+  Span cols, adds;
+  if (!backward_span(load_row<true>(L.plan, r), grads, out, L, wt, cols, adds)) return;
+  __shared__ Sums S;
+  find_sums(L, grads, out, r, wt, cols, S);
+  if (S.none) return;
   const int64_t b0 = (blk / L.plan.n_rows) * L.tile_rows;
   const int64_t rows = imin(L.batch - b0, L.tile_rows);
-  D* dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + row.write_off + s.lo;
   const int64_t drs = out.row_stride[wt];
-  const auto add = [](Acc acc, const char* ptr, int64_t index, int8_t code) {
-    const Compute g = load_as<Compute>(ptr + index * code_bytes(code), code);
-    return static_cast<Acc>(static_cast<Compute>(acc) + g);
+  D* const dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + b0 * drs;
+  // Gradient element (b0 + b, column x) of link l.
+  const auto at = [&](const Link& l, int64_t b, int64_t x) {
+    return l.ptr + ((b0 + b) * l.rs + (x + l.shift) * l.cs) * code_bytes(l.code);
   };
-  // The chain, walked once per block, in row order: the blocks that contribute.
-  __shared__ Link links[kMaxLinks];
-  __shared__ int n_links;  // -1: more than kMaxLinks
-  if (threadIdx.x == 0) n_links = chain_links(L.plan, row, s, grads, links);
-  __syncthreads();
-  const int count = n_links;
-  const auto store = [&](int64_t b, int64_t j, const Acc& v) {
-    dst[(b0 + b) * drs + j] = static_cast<D>(v);
+  const auto first = [](const char* p, int8_t code) {
+    return static_cast<Acc>(load_as<Compute>(p, code));
   };
-  if (count == 1) {  // a key used once: one block, its bounds in registers
-    const Link l = links[0];
-    // 16-byte vectors where the gradient has D's dtype (then Compute is D's own), the
-    // block covers the whole segment and is aligned.
-    if constexpr (std::is_same_v<
-                      Compute, std::conditional_t<std::is_same_v<D, double>, double, float>>) {
-      using G = D;
-      constexpr int64_t kVec = 16 / sizeof(G);
-      const int64_t cols = s.hi - s.lo;
-      const char* src = l.ptr + (l.off + s.lo) * sizeof(G);
-      if (l.code == code_of<D>() && l.lo == s.lo && l.hi == s.hi && (l.cs == 1 || cols == 1) &&
-          cols % kVec == 0 && l.rs % kVec == 0 && drs % kVec == 0 &&
-          reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
-          reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
-        const uint4* vs = reinterpret_cast<const uint4*>(src) + b0 * (l.rs / kVec);
-        uint4* vd = reinterpret_cast<uint4*>(dst) + b0 * (drs / kVec);
-        for_tile<uint4>(
-            rows, cols / kVec, [&](int64_t b, int64_t j) { return vs[b * (l.rs / kVec) + j]; },
-            [&](int64_t b, int64_t j, const uint4& v) {
-              G g[kVec];
-              memcpy(g, &v, 16);
-              D d[kVec];
-#pragma unroll
-              for (int k = 0; k < kVec; ++k) {  // 0 + g, as the accumulation computes it
-                d[k] = static_cast<D>(
-                    static_cast<Acc>(static_cast<Compute>(Acc(0)) + static_cast<Compute>(g[k])));
-              }
-              uint4 out;
-              memcpy(&out, d, 16);
-              vd[b * (drs / kVec) + j] = out;
-            });
-        return;
-      }
+  const auto add = [](Acc acc, const char* p, int8_t code) {
+    return static_cast<Acc>(static_cast<Compute>(acc) + load_as<Compute>(p, code));
+  };
+  if (S.walk) {
+    tile_begins();
+    for (int64_t i = threadIdx.x; i < rows * (cols.hi - cols.lo); i += kThreads) {
+      tile_step();
+      const int64_t b = i / (cols.hi - cols.lo), x = cols.lo + i % (cols.hi - cols.lo);
+      Acc acc = Acc(0);
+      const char* one = nullptr;
+      int8_t one_code = kOther;
+      int n = 0;
+      const bool owned = walk_column(L, grads, out, r, wt, x, [&](const Link& l) {
+        const char* p = at(l, b, x);
+        acc = n == 0 ? first(p, l.code) : add(acc, p, l.code);
+        one = p;
+        one_code = l.code;
+        ++n;
+      });
+      if (!owned) continue;
+      st<__LINE__>(
+          dst + b * drs + x, n == 1 && one_code == code_of<D>()
+                                 ? ld<__LINE__>(reinterpret_cast<const D*>(one))
+                                 : static_cast<D>(acc));
     }
-    for_tile<Acc>(
-        rows, s.hi - s.lo,
-        [&](int64_t b, int64_t j) {
-          const int64_t c = s.lo + j;
-          return c >= l.lo && c < l.hi
-                     ? add(Acc(0), l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs, l.code)
-                     : Acc(0);
-        },
-        store);
     return;
   }
-  for_tile<Acc>(
-      rows, s.hi - s.lo,
-      [&](int64_t b, int64_t j) {
-        const int64_t c = s.lo + j;
-        Acc acc = Acc(0);
-        for_links(count, links, L.plan, row, grads, c, [&](const Link& l) {
-          acc = add(acc, l.ptr, (b0 + b) * l.rs + (l.off + c) * l.cs, l.code);
+  for (int q = 0; q < S.n_pieces; ++q) {
+    const Piece pc = S.pieces[q];
+    const int64_t width = pc.hi - pc.lo;
+    const int n = link_count(pc.links);
+    D* const d = dst + pc.lo;
+    if (n == 1 && S.links[first_link(pc.links)].code == code_of<D>()) {
+      // One gradient block of D's dtype: its bits, in 16-byte vectors where aligned.
+      const Link l = S.links[first_link(pc.links)];
+      const char* src = at(l, 0, pc.lo);
+      constexpr int64_t es = sizeof(D);
+      if (l.cs == 1 && (width * es) % 16 == 0 && (l.rs * es) % 16 == 0 && (drs * es) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(d) % 16 == 0) {
+        const uint4* vs = reinterpret_cast<const uint4*>(src);
+        uint4* vd = reinterpret_cast<uint4*>(d);
+        const int64_t v_srs = l.rs * es / 16, v_drs = drs * es / 16;
+        for_tile<uint4>(
+            rows, width * es / 16,
+            [&](int64_t b, int64_t j) { return ld<__LINE__>(vs + b * v_srs + j); },
+            [&](int64_t b, int64_t j, const uint4& v) { st<__LINE__>(vd + b * v_drs + j, v); });
+      } else {
+        const D* s = reinterpret_cast<const D*>(src);
+        for_tile<D>(
+            rows, width,
+            [&](int64_t b, int64_t j) { return ld<__LINE__>(s + b * l.rs + j * l.cs); },
+            [&](int64_t b, int64_t j, const D& v) { st<__LINE__>(d + b * drs + j, v); });
+      }
+      continue;
+    }
+    for_tile<Acc>(
+        rows, width,
+        [&](int64_t b, int64_t j) {
+          const int64_t x = pc.lo + j;
+          Acc acc = Acc(0);
+          bool started = false;
+          for (int k = 0; k < S.n_links; ++k) {
+            if (!(pc.links >> k & 1)) continue;
+            const Link& l = S.links[k];
+            acc = started ? add(acc, at(l, b, x), l.code) : first(at(l, b, x), l.code);
+            started = true;
+          }
+          return acc;
+        },
+        [&](int64_t b, int64_t j, const Acc& v) {
+          st<__LINE__>(d + b * drs + j, static_cast<D>(v));
         });
-        return acc;
-      },
-      store);
+  }
 }
 
 // The VBE backward's samples of each input gradient (a launch's chunk of them), by row:
@@ -720,12 +911,12 @@ struct Samples {
   int64_t batch;
 };
 
-// The VBE backward (permute_multi_embedding_vbe_backward): a chain head's block of input
-// rows sums, for each row and column, over the row's samples in sample order, each
-// sample's chain of gradient blocks in row order, in Acc (float32 for float16/bfloat16):
-// the CPU kernel's order (unpatched torchrec's), so its bits. Rows no sample reads get zeros. The
-// gradients have D's dtype (the op checks it). The input gradients are rows[t] x width views of one
-// buffer.
+// The VBE backward (permute_multi_embedding_vbe_backward): a block of input rows sums,
+// for each row and column its permute row owns (find_sums), over the row's samples in
+// sample order, each sample's gradient blocks in plan order, in Acc (float32 for
+// float16/bfloat16): the CPU kernel's order (unpatched torchrec's), so its bits. Rows no
+// sample reads get zeros. The gradients have D's dtype (the op checks it). The input
+// gradients are rows[t] x width views of one buffer.
 template <typename D>
 __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
     const Launch L,
@@ -736,10 +927,10 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
   int64_t blk = blockIdx.x;
   if (blk < L.zero_blocks) return zero_block<true, sizeof(D)>(L, out, blk, samples.rows);
   blk -= L.zero_blocks;
-  const Row row = load_row<true>(L.plan, blk % L.plan.n_rows);
+  const int64_t r = blk % L.plan.n_rows;
   int64_t wt;
-  Span s;
-  if (!writes<true>(row, out, L, wt, s)) return;
+  Span cols, adds;
+  if (!backward_span(load_row<true>(L.plan, r), grads, out, L, wt, cols, adds)) return;
   const int64_t n_rows = samples.rows[wt], r0 = (blk / L.plan.n_rows) * L.tile_rows;
   const int64_t rows = imin(n_rows - r0, L.tile_rows);
   if (rows <= 0) return;
@@ -747,45 +938,82 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
   const int64_t* by_row = starts ? starts + n_rows + 1 : nullptr;
   if (starts && r0 == 0 && threadIdx.x == 0 && samples.batch > 0) {
     for (int e = 0; e < 2; ++e) {  // the smallest index and the largest
-      const int64_t q = e ? samples.batch - 1 : 0, v = by_row[samples.batch + q];
+      const int64_t q = e ? samples.batch - 1 : 0, v = ld<__LINE__>(by_row + samples.batch + q);
       const int64_t input = out.lo + wt;
       KT_REGROUP_INDEX_ASSERT(
           v >= 0 && v < n_rows,
           "kt_regroup.permute_multi_embedding_vbe_backward: indices[%lld][%lld] = %lld is "
           "out of range for input %lld, which has %lld rows",
-          static_cast<long long>(input), static_cast<long long>(by_row[q]),
+          static_cast<long long>(input), static_cast<long long>(ld<__LINE__>(by_row + q)),
           static_cast<long long>(v), static_cast<long long>(input), static_cast<long long>(n_rows));
     }
   }
-  __shared__ Link links[kMaxLinks];
-  __shared__ int n_links;
-  if (threadIdx.x == 0) n_links = chain_links(L.plan, row, s, grads, links);
-  __syncthreads();
-  const int count = n_links;
-  D* dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + row.write_off + s.lo;
+  __shared__ Sums S;
+  find_sums(L, grads, out, r, wt, cols, S);
+  if (S.none) return;
   const int64_t drs = out.row_stride[wt];
-  for_tile<Acc>(
-      rows, s.hi - s.lo,
-      [&](int64_t b, int64_t j) {
-        const int64_t r = r0 + b, c = s.lo + j;
-        const int64_t q0 = starts ? starts[r] : r, q1 = starts ? starts[r + 1] : r + 1;
-        Acc acc = Acc(0);
-        for (int64_t q = q0; q < q1; ++q) {
-          const int64_t sample = by_row ? by_row[q] : q;
-          Acc sum = Acc(0);
-          bool first = true;
-          for_links(count, links, L.plan, row, grads, c, [&](const Link& l) {
-            const D* g = reinterpret_cast<const D*>(l.ptr) + (l.off + c) * l.cs;
-            const Acc v = static_cast<Acc>(g[sample * l.rs]);
-            sum = first ? v : sum + v;
-            first = false;
+  D* const dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + r0 * drs;
+  const auto value = [](const Link& l, int64_t sample, int64_t x) {
+    return ld<__LINE__>(reinterpret_cast<const D*>(l.ptr) + sample * l.rs + (x + l.shift) * l.cs);
+  };
+  // Row r0 + b, column x: each sample's sum over the links `each` calls, then the row's
+  // over its samples (a row without an index is its own sample and keeps its sum's bits).
+  const auto element = [&](int64_t b, int64_t x, auto each) {
+    const int64_t row = r0 + b;
+    const int64_t q0 = starts ? ld<__LINE__>(starts + row) : row;
+    const int64_t q1 = starts ? ld<__LINE__>(starts + row + 1) : row + 1;
+    Acc acc = Acc(0);
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t sample = by_row ? ld<__LINE__>(by_row + q) : q;
+      Acc sum = Acc(0);
+      int n = 0;
+      D one{};
+      each([&](const Link& l) {
+        const D v = value(l, sample, x);
+        sum = n == 0 ? static_cast<Acc>(v) : sum + static_cast<Acc>(v);
+        one = v;
+        ++n;
+      });
+      if (!starts) return n == 1 ? one : static_cast<D>(sum);  // the CPU kernel copies one
+      acc = acc + sum;
+    }
+    return static_cast<D>(acc);
+  };
+  if (S.walk) {
+    tile_begins();
+    for (int64_t i = threadIdx.x; i < rows * (cols.hi - cols.lo); i += kThreads) {
+      tile_step();
+      const int64_t b = i / (cols.hi - cols.lo), x = cols.lo + i % (cols.hi - cols.lo);
+      if (!walk_column(L, grads, out, r, wt, x, [](const Link&) {})) continue;
+      st<__LINE__>(dst + b * drs + x, element(b, x, [&](auto add) {
+                     walk_column(L, grads, out, r, wt, x, add);
+                   }));
+    }
+    return;
+  }
+  for (int q = 0; q < S.n_pieces; ++q) {
+    const Piece pc = S.pieces[q];
+    D* const d = dst + pc.lo;
+    for_tile<D>(
+        rows, pc.hi - pc.lo,
+        [&](int64_t b, int64_t j) {
+          return element(b, pc.lo + j, [&](auto add) {
+            for (int k = 0; k < S.n_links; ++k) {
+              if (pc.links >> k & 1) add(S.links[k]);
+            }
           });
-          acc = starts ? acc + sum : sum;  // a sample's own row keeps its sum's bits (-0.0)
-        }
-        return acc;
-      },
-      [&](int64_t b, int64_t j, const Acc& v) { dst[(r0 + b) * drs + j] = static_cast<D>(v); });
+        },
+        [&](int64_t b, int64_t j, const D& v) { st<__LINE__>(d + b * drs + j, v); });
+  }
 }
+
+// A kernel's static shared memory (at most a zero block's, find_sums' and Sums) stays
+// within the 48 KiB a launch gets without opting in.
+static_assert(
+    sizeof(bool) * kZeroCols + sizeof(int64_t) * (kMaxTensors + 1) + sizeof(bool) * kThreads +
+            sizeof(Sums) <=
+        48 * 1024,
+    "static shared memory over 48 KiB");
 
 // A launch's arguments stay within the 4 KiB every CUDA version and GPU accepts.
 static_assert(
