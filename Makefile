@@ -10,9 +10,9 @@
 .PHONY: bench test setup asan lint format test-torch211
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
-# Tests that share a module-scoped fixture or build (xdist_group in tests/conftest.py) stay
-# on one worker.
-PYTEST_XDIST ?= -n auto --dist loadgroup
+# Each test file runs on one worker, so its module-scoped fixtures (builds, exports, a
+# benchmark run) are made once.
+PYTEST_XDIST ?= -n auto --dist loadfile
 ASAN_CASES ?= 3000
 
 setup:

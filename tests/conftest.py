@@ -280,20 +280,3 @@ def wiring_cells(layouts: Sequence[str], dtypes: Sequence[torch.dtype] = DTYPES)
             id=f"{name}-{dtype_ids(dtype)}-b{batch}-{'strided' if noncontiguous else 'contig'}",
         ))
     return cells
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N --dist loadgroup`` (``make test``), the tests of a file that
-    share a fixture wider than a test (a module-scoped build, export or benchmark run) go
-    to one worker: each worker would otherwise make the fixture again."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        shared = any(
-            d.scope != "function" and d.baseid  # the suite's own, not pytest's
-            for defs in info.name2fixturedefs.values() for d in defs
-        )
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

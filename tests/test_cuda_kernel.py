@@ -129,7 +129,7 @@ class Cuda:
 
 
 @pytest.fixture(scope="module", params=["emulated", "cuda"])
-def kernel(request, tmp_path_factory):
+def kernel(request):
     if request.param == "cuda":
         if not CUDA_KERNELS:
             pytest.skip("needs a GPU and a library built with its CUDA kernels")
@@ -138,15 +138,11 @@ def kernel(request, tmp_path_factory):
         pytest.skip("a GPU is present: the compiled kernels run these checks (cuda)")
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler to build the emulation")
-    from torch.utils.cpp_extension import load
+    # One build for the suite and the cost model, kept in build/ and rebuilt when its
+    # sources change; torch's build lock makes concurrent workers wait for it.
+    from benchmarks import cuda_model
 
-    ext = load(
-        name="kt_regroup_cuda_emulation",
-        sources=[str(ROOT / "tests" / "cuda_emulation.cpp")],
-        extra_include_paths=[str(ROOT / "kt_regroup" / "csrc" / "cuda")],
-        extra_cflags=["-std=c++20", "-O1"],
-        build_directory=str(tmp_path_factory.mktemp("emulation")),
-    )
+    ext = cuda_model.emulation()
     return Emulated(ext)
 
 
