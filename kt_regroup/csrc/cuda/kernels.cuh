@@ -904,11 +904,13 @@ __device__ __forceinline__ T* as_ptr(int64_t p) {
 template <typename S>
 __device__ S entry(const S* section, int64_t k) {
   static_assert(sizeof(S) % sizeof(int64_t) == 0, "int64 fields only");
-  S s;
+  constexpr int n = int(sizeof(S) / sizeof(int64_t));
   const int64_t* from = reinterpret_cast<const int64_t*>(section + k);
-  int64_t* to = reinterpret_cast<int64_t*>(&s);
+  int64_t fields[n];
 #pragma unroll
-  for (int f = 0; f < int(sizeof(S) / sizeof(int64_t)); ++f) to[f] = ld_plan(from + f);
+  for (int f = 0; f < n; ++f) fields[f] = ld_plan(from + f);
+  S s;
+  memcpy(&s, fields, sizeof(S));  // registers to registers
   return s;
 }
 
@@ -928,6 +930,8 @@ __device__ int64_t last_at_most(const S* section, int64_t n, int offset, int64_t
   }
   return lo;
 }
+
+constexpr int64_t kVbeTileRows = 1024;  // batch rows per VBE copy block, at most
 
 struct VbeLaunch {
   Plan plan;
@@ -1026,10 +1030,18 @@ __global__ void __launch_bounds__(kThreads) vbe_copy_kernel(const VbeLaunch L) {
   if (!vbe_writes(L, row, out, s)) return;
   const VbeIn in = entry(L.ins, row.read_t);
   const int64_t b0 = (blk / L.plan.n_rows) * L.tile_rows;
+  const int64_t rows = imin(L.batch - b0, L.tile_rows);
+  // The tile's input rows, read (and checked) once per batch row.
+  __shared__ int64_t from[kVbeTileRows];
+  tile_begins();
+  for (int64_t b = threadIdx.x; b < rows; b += kThreads) {
+    tile_step();
+    from[b] = vbe_row(in, b0 + b, row.read_t);
+  }
+  __syncthreads();
   copy_segment<ES>(
       row, s, as_ptr<const char>(in.ptr), in.row_stride, in.col_stride, in.width,
-      as_ptr<char>(out.ptr), out.row_stride, b0, imin(L.batch - b0, L.tile_rows),
-      [&](int64_t b) { return vbe_row(in, b, row.read_t); });
+      as_ptr<char>(out.ptr), out.row_stride, b0, rows, [&](int64_t b) { return from[b - b0]; });
 }
 
 // The backward's keys: slot s (sample b of the k-th indexed input, s = k * batch + b) has
@@ -1531,7 +1543,7 @@ void vbe_forward_launches(
   // one zero block per 32 copy blocks at most: where the plan leaves no gap (as a rule)
   // they write nothing.
   const Launch sizes = plan_launch(plan, batch, L.n_ins, total_cols, es, /*zero_fill=*/true);
-  L.tile_rows = sizes.tile_rows;
+  L.tile_rows = std::min(sizes.tile_rows, kVbeTileRows);
   L.zero_col_tiles = sizes.zero_col_tiles;
   L.zero_rows = sizes.zero_rows;
   L.zero_tiles = sizes.zero_blocks;

@@ -6,10 +6,10 @@
 
 #include "kernels.cuh"
 
-#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -208,7 +208,7 @@ at::Tensor upload(const std::vector<int64_t>& fields, c10::Device device) {
   std::memcpy(host.mutable_data_ptr<int64_t>(), fields.data(), n * sizeof(int64_t));
   at::Tensor table = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(device));
   table.copy_(host, /*non_blocking=*/true);
-  if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
     static std::mutex mutex;
     static std::vector<at::Tensor> captured;
     const std::lock_guard<std::mutex> lock(mutex);
