@@ -27,7 +27,8 @@
 // permute_multi_embedding_into writes into caller-owned tensors anyway.) Beyond
 // kMaxTensors the launch is repeated per chunk; rows of other chunks exit at once. A
 // backward launch reads every gradient output (at most kMaxReads; more take the portable
-// path).
+// path). The variable-batch ops, with a thousand inputs as a rule, read theirs from a
+// table on the device instead (below).
 //
 // *Grid.* 1-D: the first `zero_blocks` blocks fill the columns no row writes; the others
 // are one block per (permute row, tile of batch rows), the row index varying fastest, so
@@ -61,29 +62,37 @@
 // defined but not meaningful: overlapping output segments of the forward race.
 //
 // *Variable batch* (permute_multi_embedding_vbe: out[j][b, cols] =
-// pooled_embs[i][indices[i][b], cols], an input without an index read at row b). The
-// forward is the byte copy above, one launch per call, batch row b of a copy block read
-// from its input's row indices[i][b] (RowIndex, by value as the tensors: int32/int64 of
-// any stride). The backward sums every sample's gradient into its row without atomics:
-// per indexed input, ATen ops on the device order its samples by row (a stable sort of
-// the index and a search of each row's first sample: samples_by_row, a few launches per
-// indexed input, no host sync); then one launch (per chunk of inputs) whose blocks are
-// (permute row, tile of its input's rows), over the largest input's rows, blocks past
-// their input's rows exiting at once. Each element a block owns (as in the backward)
-// sums over the row's samples in sample order, each sample's gradient blocks in plan
-// order, in float32 for float16/bfloat16: the CPU kernel's order, so its bits; rows no
-// sample reads get zeros from the owning block, columns no row writes from zero blocks
-// clipped to each input's rows. The input
-// gradients are views of one flat buffer (what the op returns). A row's sum is one
-// thread's loop: rows read by many samples are slow, the price of the CPU's bits.
-// Indices are checked on the device: an index outside its input stops the kernel with a
-// device-side assert (as index_select's), after printing the CPU kernel's message (input,
-// sample, value); the backward checks the smallest and largest index of each input some
-// head writes. Only the indices of inputs some row reads are checked (the CPU kernel
-// checks every index). Reading them on the host would wait for the device; indices are on the
-// data's device (the op checks it), so there is no host copy to check. The checks that
-// read the plan run in full where it is on the CPU, as above. Other dtypes of the
-// backward, or more than kMaxReads gradients, take the portable path (index_add_).
+// pooled_embs[i][indices[i][b], cols], an input without an index read at row b). A
+// thousand inputs do not fit in kernel parameters, so their tensors (pointers, strides,
+// widths, rows, index pointers, block ranges: int64 fields, VbeIn / VbeOut / VbeGrad /
+// VbeIndex) are a table on the device, built on the host and copied there once per call
+// from pinned memory without a sync (read through ld_plan, as the plan). The forward is
+// the byte copy above in one launch whatever the number of inputs: one block per
+// (permute row, tile of batch rows), which reads its tile's input rows (indices[i][b])
+// once into shared memory, and zero blocks as above, at most one per 32 copy blocks, each
+// taking every zero_blocks-th tile of columns (where the plan leaves no gap they write
+// nothing). The backward sums every sample's gradient into its row without atomics, in
+// four launches whatever the number of inputs: vbe_keys_kernel gives each sample of an
+// indexed input (slot k * batch + b of the k-th one) the key of its row among the indexed
+// inputs' rows side by side; one stable sort of the keys (ATen) lists each row's samples
+// in sample order; a search of each key's first slot (ATen) bounds them; then
+// vbe_backward_kernel, one block per (input gradient, tile of its rows, tile of its
+// columns), sized by the bytes it reads and writes, so none is idle. A block lists the
+// plan rows adding to its columns (vbe_find_sums, as find_sums) and writes each element
+// of its tile once: the sum over the row's samples in sample order, each sample's
+// gradient blocks in plan order, in float32 for float16/bfloat16 (the CPU kernel's order,
+// so its bits; a row without an index is its own sample, and one gradient block keeps its
+// bits, in 16-byte vectors where aligned); zeros for rows no sample reads and columns no
+// row adds to. The input gradients are views of one flat buffer (what the op returns). A
+// row's sum is one thread's loop: rows read by many samples are slow, the price of the
+// CPU's bits. Indices are checked on the device: an index outside its input stops the
+// kernel with a device-side assert (as index_select's), after printing the CPU kernel's
+// message (input, sample, value); the forward checks the indices of inputs some row
+// reads, the backward every index (the CPU kernel checks every index). Reading them on
+// the host would wait for the device; indices are on the data's device (the op checks
+// it), so there is no host copy to check. The checks that read the plan run in full where
+// it is on the CPU, as above. Other dtypes of the backward, or more than kMaxReads
+// gradients (they are kernel parameters), take the portable path (index_add_).
 //
 // *Dtypes, and what is compiled.* The forward (and _into) is a byte copy, one kernel per
 // element size (1, 2, 4, 8, 16 bytes), for any dtype. The fused cast of
@@ -93,7 +102,8 @@
 // first. The backward takes float32/float64/float16/bfloat16 gradients: one kernel per
 // (input-gradient dtype, compute type), the gradients' dtype read at run time (7 kernels,
 // not 16); other dtypes take the portable path. The variable-batch forward: one kernel per
-// element size (5), its backward one per float dtype (4). 25 kernels in all.
+// element size (5), its backward's keys one per key dtype (int32, int64 past 2^31 - 1
+// rows: 2), its sums one per float dtype (4). 27 kernels in all.
 //
 // *Compiled and exported graphs.* torch.compile, torch.export and AOTInductor call the
 // op, as FBGEMM's: the kernels run from the dispatcher, in eager, in a compiled graph,
