@@ -291,11 +291,17 @@ void trace_begin() {
 
 std::map<std::string, int64_t> trace_end() {
   emulation::tracing = false;
-  return {{"launches", counts.launches},         {"blocks", counts.blocks},
-          {"idle_blocks", counts.idle_blocks},   {"bytes", counts.bytes},
-          {"sectors", counts.sectors},           {"min_sectors", counts.min_sectors},
-          {"instructions", counts.instructions}, {"plan_bytes", counts.plan_bytes},
-          {"copies", counts.copies},             {"copy_bytes", counts.copy_bytes}};
+  return {
+      {"launches", counts.launches},
+      {"blocks", counts.blocks},
+      {"idle_blocks", counts.idle_blocks},
+      {"bytes", counts.bytes},
+      {"sectors", counts.sectors},
+      {"min_sectors", counts.min_sectors},
+      {"instructions", counts.instructions},
+      {"plan_bytes", counts.plan_bytes},
+      {"copies", counts.copies},
+      {"copy_bytes", counts.copy_bytes}};
 }
 
 // The order of a launch's blocks: index order (seed < 0) or a random permutation drawn

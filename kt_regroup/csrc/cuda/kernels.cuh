@@ -450,10 +450,7 @@ __device__ void copy_segment(
 // A copy block of the forward: its row's segment for its tile of batch rows.
 template <int ES>
 __device__ void copy_block(
-    const Launch& L,
-    const Tensors<kMaxTensors>& in,
-    const Tensors<kMaxTensors>& out,
-    int64_t blk) {
+    const Launch& L, const Tensors<kMaxTensors>& in, const Tensors<kMaxTensors>& out, int64_t blk) {
   const int64_t r = blk % L.plan.n_rows;
   const Row row = load_row<false>(L.plan, r);
   int64_t wt;
@@ -961,8 +958,9 @@ struct VbeLaunch {
 __device__ int64_t vbe_row(const VbeIn& in, int64_t b, int64_t input) {
   if (in.index == 0) return b;
   const int64_t o = b * in.index_stride;
-  const int64_t v = in.index_is64 ? ld<__LINE__>(as_ptr<const int64_t>(in.index) + o)
-                                  : static_cast<int64_t>(ld<__LINE__>(as_ptr<const int32_t>(in.index) + o));
+  const int64_t v = in.index_is64
+                        ? ld<__LINE__>(as_ptr<const int64_t>(in.index) + o)
+                        : static_cast<int64_t>(ld<__LINE__>(as_ptr<const int32_t>(in.index) + o));
   const bool inside = v >= 0 && v < in.rows;
   KT_REGROUP_INDEX_ASSERT(
       inside,
@@ -1130,7 +1128,8 @@ __device__ void vbe_find_sums(
   for (int64_t k0 = 0; k0 < L.plan.n_rows; k0 += kThreads) {
     const int64_t k = k0 + threadIdx.x;
     Link l;
-    const bool h = k < L.plan.n_rows && vbe_link(load_row<true>(L.plan, k), grads, i, width, cols, l);
+    const bool h =
+        k < L.plan.n_rows && vbe_link(load_row<true>(L.plan, k), grads, i, width, cols, l);
     hit[threadIdx.x] = h;
     if (!__syncthreads_or(h)) continue;  // as a rule: rows of other inputs only
     if (threadIdx.x == 0) {
@@ -1159,8 +1158,8 @@ __device__ void vbe_find_sums(
 // Rows no sample reads and columns no row adds to get zeros. The gradients have D's
 // dtype (the op checks it).
 template <typename D>
-__global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
-    const VbeBackLaunch L, const Tensors<kMaxReads> grads) {
+__global__ void __launch_bounds__(kThreads)
+    vbe_backward_kernel(const VbeBackLaunch L, const Tensors<kMaxReads> grads) {
   using Acc = typename Accumulate<D>::type;
   const int64_t blk = blockIdx.x;
   const int64_t i = last_at_most(L.ins, L.n_ins, 3, blk);  // block_begin <= blk
@@ -1214,14 +1213,15 @@ __global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
     for (int64_t e = threadIdx.x; e < rows * w; e += kThreads) {
       tile_step();
       const int64_t b = e / w, x = cols.lo + e % w;
-      st<__LINE__>(dst + b * drs + x, element(b, x, [&](auto add) {
-                     for (int64_t k = 0; k < L.plan.n_rows; ++k) {
-                       Link l;
-                       if (vbe_link(load_row<true>(L.plan, k), grads, i, g.width, Span{x, x + 1}, l)) {
-                         add(l);
-                       }
-                     }
-                   }));
+      st<__LINE__>(
+          dst + b * drs + x, element(b, x, [&](auto add) {
+            for (int64_t k = 0; k < L.plan.n_rows; ++k) {
+              Link l;
+              if (vbe_link(load_row<true>(L.plan, k), grads, i, g.width, Span{x, x + 1}, l)) {
+                add(l);
+              }
+            }
+          }));
     }
     return;
   }
@@ -1544,21 +1544,23 @@ void vbe_forward_launches(
   VbeLaunch L{};
   L.plan = device_plan(plan);
   L.ins = reinterpret_cast<const VbeIn*>(base);
-  L.outs = reinterpret_cast<const VbeOut*>(base + inputs.size() * (sizeof(VbeIn) / sizeof(int64_t)));
+  L.outs =
+      reinterpret_cast<const VbeOut*>(base + inputs.size() * (sizeof(VbeIn) / sizeof(int64_t)));
   L.n_ins = static_cast<int64_t>(inputs.size());
   L.n_outs = static_cast<int64_t>(outs.size());
   L.batch = batch;
   L.total_cols = total_cols;
   // Copy blocks as the forward's (plan_launch); zero tiles as its zero blocks, taken by
   // one zero block per 32 copy blocks at most: where the plan leaves no gap (as a rule)
-  // they write nothing.
+  // they write nothing. Without copy blocks, one zero block per tile.
   const Launch sizes = plan_launch(plan, batch, L.n_ins, total_cols, es, /*zero_fill=*/true);
   L.tile_rows = std::min(sizes.tile_rows, kVbeTileRows);
   L.zero_col_tiles = sizes.zero_col_tiles;
   L.zero_rows = sizes.zero_rows;
   L.zero_tiles = sizes.zero_blocks;
   const int64_t copy = L.plan.n_rows * ceil_div(batch, std::max<int64_t>(1, L.tile_rows));
-  L.zero_blocks = std::min(L.zero_tiles, std::max<int64_t>(1, copy / 32));
+  L.zero_blocks =
+      copy == 0 ? L.zero_tiles : std::min(L.zero_tiles, std::max<int64_t>(1, copy / 32));
   const int64_t blocks = L.zero_blocks + copy;
   TORCH_CHECK(
       blocks <= std::numeric_limits<int32_t>::max(), "kt_regroup: ", blocks,
@@ -1647,7 +1649,10 @@ void vbe_backward_launches(
     const at::Tensor keys = at::empty({slots}, options), bounds = at::empty({n_keys + 1}, options);
     VbeKeys K{
         reinterpret_cast<const VbeIndex*>(base + n_in * int64_t(sizeof(VbeGrad) / sizeof(int64_t))),
-        static_cast<int64_t>(indexed.size()), batch, n_keys, keys.mutable_data_ptr(),
+        static_cast<int64_t>(indexed.size()),
+        batch,
+        n_keys,
+        keys.mutable_data_ptr(),
         bounds.mutable_data_ptr()};
     const int64_t key_blocks = ceil_div(std::max(slots, n_keys + 1), kThreads);
     TORCH_CHECK(
