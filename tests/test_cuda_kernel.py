@@ -764,6 +764,23 @@ def test_vbe_more_inputs_than_a_launch_took_have_the_cpu_ops_bits(kernel, m, bat
                       [ops.permute_multi_embedding_vbe_backward(*args, dtype)])  # fmt: skip
 
 
+def test_vbe_forward_zero_fills_gaps_and_rows_of_bad_inputs(kernel):
+    # A plan with gaps in wide outputs (zero tiles: more than the few zero blocks take,
+    # each taking several) and a row reading an input past the list (a no-op); no plan.
+    xs = [torch.randn(3, 4), torch.randn(2, 3)]
+    indices = [torch.tensor([2, 0, 1, 2] * 10), torch.tensor([1, 1, 0, 1] * 10)]
+    rows = [[0, 0, 0, 4000, 2, 0], [1, 0, 0, 4005, 3, 0], [5, 0, 0, 1, 2, 0], [0, 1, 1, 0, 3, 0]]
+    p, i, o, n = torch.tensor(rows), torch.tensor([4, 3]), torch.tensor([5000, 7]), [5000, 7]
+    want = [torch.zeros(40, 5000), torch.zeros(40, 7)]
+    want[0][:, 4000:4002] = xs[0][indices[0], 0:2]
+    want[0][:, 4005:4008] = xs[1][indices[1], 0:3]
+    want[1][:, 0:3] = xs[0][indices[0], 1:4]
+    _assert_same_bits(kernel.vbe_forward(xs, indices, p, i, o, n, 40), want)
+    none = torch.zeros(0, 6, dtype=torch.int64)
+    _assert_same_bits(kernel.vbe_forward(xs, indices, none, i, o, n, 40),
+                      [torch.zeros(40, 5000), torch.zeros(40, 7)])  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_vbe_aligned_keys_have_the_cpu_ops_bits(kernel, dtype):
     # Widths of 16-byte multiples: the 16-byte vector paths (a key once, no index).

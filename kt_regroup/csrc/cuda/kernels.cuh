@@ -1273,6 +1273,10 @@ static_assert(
         48 * 1024,
     "static shared memory over 48 KiB");
 
+static_assert(
+    sizeof(bool) * kZeroCols + sizeof(int64_t) * kVbeTileRows <= 48 * 1024,
+    "static shared memory of the VBE forward over 48 KiB");
+
 // A launch's arguments stay within the 4 KiB every CUDA version and GPU accepts.
 static_assert(
     sizeof(Launch) + sizeof(Tensors<kMaxReads>) + sizeof(Tensors<kMaxTensors>) <= 4000 &&
