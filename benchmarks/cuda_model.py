@@ -10,7 +10,9 @@ which records per call:
 * ``bytes``: data bytes loaded and stored (the distinct bytes of each warp instruction;
   plan rows, read through the cache by every block, are ``plan_bytes`` apart);
 * ``sectors``: per warp memory instruction, the 32-byte sectors it touches, summed, and
-  ``min_sectors``, the fewest that hold its bytes (sector efficiency: their ratio).
+  ``min_sectors``, the fewest that hold its bytes (sector efficiency: their ratio);
+* ``copies`` and ``copy_bytes``: host-to-device copies (the variable-batch ops' table of
+  tensors, from pinned memory; not kernels, so not in ``launches``).
 
 The plan is on the device (no host copy). One record per (layout, dtype, op) of the bench
 layouts; the batch is the bench's where the emulation can afford it, smaller elsewhere
@@ -159,7 +161,8 @@ def main(argv=None) -> int:
             idle = r["idle_blocks"] / r["blocks"] if r["blocks"] else 0.0
             print(f"{r['layout']:10} {r['dtype']:9} {r['op']:13} launches {r['launches']:3} "
                   f"blocks {r['blocks']:7} idle {idle:6.1%} bytes {r['bytes']:11} "
-                  f"sector efficiency {eff:.3f}", flush=True)  # fmt: skip
+                  f"sector efficiency {eff:.3f} copies {r.get('copies', 0)}",
+                  flush=True)  # fmt: skip
     return 0
 
 

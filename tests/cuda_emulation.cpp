@@ -237,10 +237,11 @@ BlockPool& pool() {
 // What the traced calls cost (trace_begin / trace_end): launches of ours, their blocks,
 // blocks that load or store no data (idle), data bytes moved (the distinct bytes of each
 // warp instruction), 32-byte sectors touched and the fewest that could hold those bytes,
-// per warp instruction; plan bytes read (not in `bytes`).
+// per warp instruction; plan bytes read (not in `bytes`); host-to-device copies (the VBE
+// ops' tables) and their bytes.
 struct Counts {
   int64_t launches = 0, blocks = 0, idle_blocks = 0, bytes = 0, sectors = 0, min_sectors = 0,
-          instructions = 0, plan_bytes = 0;
+          instructions = 0, plan_bytes = 0, copies = 0, copy_bytes = 0;
 };
 Counts counts;
 
@@ -290,10 +291,17 @@ void trace_begin() {
 
 std::map<std::string, int64_t> trace_end() {
   emulation::tracing = false;
-  return {{"launches", counts.launches},         {"blocks", counts.blocks},
-          {"idle_blocks", counts.idle_blocks},   {"bytes", counts.bytes},
-          {"sectors", counts.sectors},           {"min_sectors", counts.min_sectors},
-          {"instructions", counts.instructions}, {"plan_bytes", counts.plan_bytes}};
+  return {
+      {"launches", counts.launches},
+      {"blocks", counts.blocks},
+      {"idle_blocks", counts.idle_blocks},
+      {"bytes", counts.bytes},
+      {"sectors", counts.sectors},
+      {"min_sectors", counts.min_sectors},
+      {"instructions", counts.instructions},
+      {"plan_bytes", counts.plan_bytes},
+      {"copies", counts.copies},
+      {"copy_bytes", counts.copy_bytes}};
 }
 
 // The order of a launch's blocks: index order (seed < 0) or a random permutation drawn
@@ -373,6 +381,18 @@ const auto emulated = [](auto kernel, int64_t blocks, const auto&... args) {
   emulate(kernel, blocks, args...);
 };
 
+// Their table "on the device" (permute.cu copies it there from pinned memory): a tensor
+// of its fields, counted as one host-to-device copy.
+const auto uploaded = [](const std::vector<int64_t>& fields) {
+  at::Tensor t = at::empty({static_cast<int64_t>(fields.size())}, at::kLong);
+  std::memcpy(t.mutable_data_ptr<int64_t>(), fields.data(), fields.size() * sizeof(int64_t));
+  if (emulation::tracing) {
+    ++counts.copies;
+    counts.copy_bytes += static_cast<int64_t>(fields.size() * sizeof(int64_t));
+  }
+  return t;
+};
+
 // Outputs filled with a marker (NaN, or -77) that no correct kernel leaves behind.
 // Traced: empty, as permute.cu's (the cost model counts the ATen ops the host code calls).
 at::Tensor marked(int64_t batch, int64_t width, c10::ScalarType dtype) {
@@ -448,7 +468,7 @@ std::vector<at::Tensor> vbe_forward(
   if (batch == 0 || outs.empty()) return outs;
   std::vector<at::Tensor> inputs;
   for (const at::Tensor& t : pooled_embs) inputs.push_back(t.resolve_conj().resolve_neg());
-  vbe_forward_launches(plan, inputs, indices, outs, batch, emulated);
+  vbe_forward_launches(plan, inputs, indices, outs, batch, uploaded, emulated);
   return outs;
 }
 
@@ -473,7 +493,8 @@ at::Tensor vbe_backward(
   if (!defined) return at::zeros({total}, at::TensorOptions().dtype(dtype));
   at::Tensor flat = marked(1, total, dtype).view({total});
   if (total > 0)
-    vbe_backward_launches(plan, grads, indices, in_rows, in_lengths, batch, flat, emulated);
+    vbe_backward_launches(
+        plan, grads, indices, in_rows, in_lengths, batch, flat, uploaded, emulated);
   return flat;
 }
 

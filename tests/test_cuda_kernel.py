@@ -716,6 +716,80 @@ def test_vbe_chunked_launches(kernel):
     )
 
 
+def _vbe_many_inputs(m, batch, dtype, index_dtype, seed=0, widths=(1, 3, 5, 7, 33)):
+    """``(xs, indices, plan, in_rows)``: m inputs of one to three keys of `widths` (odd
+    ones by default), every third without an index, the others indexed (one to six rows,
+    some unused); keys used in two groups and twice in one, some unused; contiguous or
+    sliced inputs."""
+    rng = random.Random(seed)
+    keys = [[f"k{t}_{k}" for k in range(1 + t % 3)] for t in range(m)]
+    lengths = [[rng.choice(widths) for _ in ks] for ks in keys]
+    used = [k for ks in keys for k in ks if rng.random() < 0.9]
+    groups = [used[g::5] for g in range(5)]
+    groups[0] += used[1:8]  # across groups
+    groups[1] += used[4:6] * 2  # twice in one group, and across
+    p, i, o, n = _plan((keys, lengths, groups), index_dtype)
+    g = torch.Generator().manual_seed(seed)
+    xs, indices = [], []
+    for t, w in enumerate(lengths):
+        rows = batch if t % 3 == 0 else rng.randint(1, 6)
+        xs.append(_values(rows, sum(w), dtype, rng.choice(["contiguous", "sliced"]), seed + t))
+        indices.append(None if t % 3 == 0 else
+                       torch.randint(0, max(1, rows - (t % 2)), (batch,), generator=g).to(index_dtype))  # fmt: skip
+    return xs, indices, (p, i, o, n), [x.size(0) for x in xs]
+
+
+@pytest.mark.parametrize("m", [40, 70])
+@pytest.mark.parametrize("batch", [0, 1, 37])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_vbe_more_inputs_than_a_launch_took_have_the_cpu_ops_bits(kernel, m, batch, index_dtype, dtype):
+    # More than 32 inputs (the chunk of a launch before the device table), odd widths,
+    # duplicated keys, rows no sample reads; forward and backward against the CPU op.
+    xs, indices, (p, i, o, n), in_rows = _vbe_many_inputs(m, batch, dtype, index_dtype, seed=m + batch)
+    _assert_same_bits(kernel.vbe_forward(xs, indices, p, i, o, n, batch),
+                      ops.permute_multi_embedding_vbe(xs, indices, p, i, o, n))  # fmt: skip
+    spread = 8 if dtype == torch.float16 else 24  # float16 sums stay finite
+    grads = [_signed_values(batch, w, dtype, 70 + j, spread=spread) for j, w in enumerate(n)]
+    widths = [x.size(1) for x in xs]
+    args = (grads, indices, p, i, o, widths, in_rows)
+    _assert_same_bits([kernel.vbe_backward(*args, batch, dtype)],
+                      [ops.permute_multi_embedding_vbe_backward(*args, dtype)])  # fmt: skip
+    grads[1] = None  # an undefined gradient adds nothing
+    _assert_same_bits([kernel.vbe_backward(*args, batch, dtype)],
+                      [ops.permute_multi_embedding_vbe_backward(*args, dtype)])  # fmt: skip
+
+
+def test_vbe_forward_zero_fills_gaps_and_rows_of_bad_inputs(kernel):
+    # A plan with gaps in wide outputs (zero tiles: more than the few zero blocks take,
+    # each taking several) and a row reading an input past the list (a no-op); no plan.
+    xs = [torch.randn(3, 4), torch.randn(2, 3)]
+    indices = [torch.tensor([2, 0, 1, 2] * 10), torch.tensor([1, 1, 0, 1] * 10)]
+    rows = [[0, 0, 0, 4000, 2, 0], [1, 0, 0, 4005, 3, 0], [5, 0, 0, 1, 2, 0], [0, 1, 1, 0, 3, 0]]
+    p, i, o, n = torch.tensor(rows), torch.tensor([4, 3]), torch.tensor([5000, 7]), [5000, 7]
+    want = [torch.zeros(40, 5000), torch.zeros(40, 7)]
+    want[0][:, 4000:4002] = xs[0][indices[0], 0:2]
+    want[0][:, 4005:4008] = xs[1][indices[1], 0:3]
+    want[1][:, 0:3] = xs[0][indices[0], 1:4]
+    _assert_same_bits(kernel.vbe_forward(xs, indices, p, i, o, n, 40), want)
+    none = torch.zeros(0, 6, dtype=torch.int64)
+    _assert_same_bits(kernel.vbe_forward(xs, indices, none, i, o, n, 40),
+                      [torch.zeros(40, 5000), torch.zeros(40, 7)])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_vbe_aligned_keys_have_the_cpu_ops_bits(kernel, dtype):
+    # Widths of 16-byte multiples: the 16-byte vector paths (a key once, no index).
+    xs, indices, (p, i, o, n), in_rows = _vbe_many_inputs(40, 21, dtype, torch.int64, 3, (8, 16, 64))
+    xs = [x.contiguous() for x in xs]
+    _assert_same_bits(kernel.vbe_forward(xs, indices, p, i, o, n, 21),
+                      ops.permute_multi_embedding_vbe(xs, indices, p, i, o, n))  # fmt: skip
+    grads = [_signed_values(21, w, dtype, 80 + j, spread=24) for j, w in enumerate(n)]
+    args = (grads, indices, p, i, o, [x.size(1) for x in xs], in_rows)
+    _assert_same_bits([kernel.vbe_backward(*args, 21, dtype)],
+                      [ops.permute_multi_embedding_vbe_backward(*args, dtype)])  # fmt: skip
+
+
 @pytest.mark.parametrize("bad", [5, -1], ids=["past_the_end", "negative"])
 def test_vbe_index_out_of_range_names_the_input_and_sample(kernel, bad):
     if isinstance(kernel, Cuda):
@@ -994,8 +1068,51 @@ def test_cuda_vbe_opcheck_one_forward_launch_and_no_host_sync():
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         ops.permute_multi_embedding_vbe(*forward)
         torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(kernels) == 1 and "vbe_copy_kernel" in kernels[0], kernels
+    events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # One kernel and the copy of its table of tensors from pinned memory.
+    kernels = [e for e in events if not e.startswith("Memcpy")]
+    assert len(kernels) == 1 and "vbe_copy_kernel" in kernels[0], events
+    assert len(events) == 2 and "HtoD" in [e for e in events if e.startswith("Memcpy")][0], events
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ops.permute_multi_embedding_vbe_backward(*backward)
+        torch.cuda.synchronize()
+    events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # The keys, ATen's sort and search, the sums: one of ours each, whatever the inputs.
+    assert sum("vbe_keys_kernel" in e for e in events) == 1, events
+    assert sum("vbe_backward_kernel" in e for e in events) == 1, events
+
+
+@needs_cuda_kernels
+def test_cuda_graph_captures_the_vbe_ops():
+    # The table of tensors is copied from pinned memory kept for the graph: a replay reads
+    # the inputs' new values through it.
+    xs, indices, plan, rows = _vbe_many_inputs(40, 64, torch.float32, torch.int32)
+    xs, indices, (p, i, o, n) = _vbe_on("cuda", xs, indices, plan)
+    grads = [_signed_values(64, w, torch.float32, 90 + j).cuda() for j, w in enumerate(n)]
+    widths = [x.size(1) for x in xs]
+
+    def step():
+        outs = ops.permute_multi_embedding_vbe(xs, indices, p, i, o, n)
+        flat = ops.permute_multi_embedding_vbe_backward(grads, indices, p, i, o, widths, rows, torch.float32)
+        return outs, flat
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs, flat = step()
+    step()  # another call between capture and replay reuses no captured staging block
+    for t in xs + grads:
+        t.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    cpu = (_cpu(indices), p.cpu(), i.cpu(), o.cpu())
+    _assert_equal(_cpu(outs), ops.permute_multi_embedding_vbe(_cpu(xs), *cpu, n))
+    assert torch.equal(flat.cpu(), ops.permute_multi_embedding_vbe_backward(
+        _cpu(grads), *cpu, widths, rows, torch.float32))  # fmt: skip
 
 
 @needs_cuda_kernels

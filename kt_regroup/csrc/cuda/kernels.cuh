@@ -27,7 +27,8 @@
 // permute_multi_embedding_into writes into caller-owned tensors anyway.) Beyond
 // kMaxTensors the launch is repeated per chunk; rows of other chunks exit at once. A
 // backward launch reads every gradient output (at most kMaxReads; more take the portable
-// path).
+// path). The variable-batch ops, with a thousand inputs as a rule, read theirs from a
+// table on the device instead (below).
 //
 // *Grid.* 1-D: the first `zero_blocks` blocks fill the columns no row writes; the others
 // are one block per (permute row, tile of batch rows), the row index varying fastest, so
@@ -61,29 +62,37 @@
 // defined but not meaningful: overlapping output segments of the forward race.
 //
 // *Variable batch* (permute_multi_embedding_vbe: out[j][b, cols] =
-// pooled_embs[i][indices[i][b], cols], an input without an index read at row b). The
-// forward is the byte copy above, one launch per call, batch row b of a copy block read
-// from its input's row indices[i][b] (RowIndex, by value as the tensors: int32/int64 of
-// any stride). The backward sums every sample's gradient into its row without atomics:
-// per indexed input, ATen ops on the device order its samples by row (a stable sort of
-// the index and a search of each row's first sample: samples_by_row, a few launches per
-// indexed input, no host sync); then one launch (per chunk of inputs) whose blocks are
-// (permute row, tile of its input's rows), over the largest input's rows, blocks past
-// their input's rows exiting at once. Each element a block owns (as in the backward)
-// sums over the row's samples in sample order, each sample's gradient blocks in plan
-// order, in float32 for float16/bfloat16: the CPU kernel's order, so its bits; rows no
-// sample reads get zeros from the owning block, columns no row writes from zero blocks
-// clipped to each input's rows. The input
-// gradients are views of one flat buffer (what the op returns). A row's sum is one
-// thread's loop: rows read by many samples are slow, the price of the CPU's bits.
-// Indices are checked on the device: an index outside its input stops the kernel with a
-// device-side assert (as index_select's), after printing the CPU kernel's message (input,
-// sample, value); the backward checks the smallest and largest index of each input some
-// head writes. Only the indices of inputs some row reads are checked (the CPU kernel
-// checks every index). Reading them on the host would wait for the device; indices are on the
-// data's device (the op checks it), so there is no host copy to check. The checks that
-// read the plan run in full where it is on the CPU, as above. Other dtypes of the
-// backward, or more than kMaxReads gradients, take the portable path (index_add_).
+// pooled_embs[i][indices[i][b], cols], an input without an index read at row b). A
+// thousand inputs do not fit in kernel parameters, so their tensors (pointers, strides,
+// widths, rows, index pointers, block ranges: int64 fields, VbeIn / VbeOut / VbeGrad /
+// VbeIndex) are a table on the device, built on the host and copied there once per call
+// from pinned memory without a sync (read through ld_plan, as the plan). The forward is
+// the byte copy above in one launch whatever the number of inputs: one block per
+// (permute row, tile of batch rows), which reads its tile's input rows (indices[i][b])
+// once into shared memory, and zero blocks as above, at most one per 32 copy blocks, each
+// taking every zero_blocks-th tile of columns (where the plan leaves no gap they write
+// nothing). The backward sums every sample's gradient into its row without atomics, in
+// four launches whatever the number of inputs: vbe_keys_kernel gives each sample of an
+// indexed input (slot k * batch + b of the k-th one) the key of its row among the indexed
+// inputs' rows side by side; one stable sort of the keys (ATen) lists each row's samples
+// in sample order; a search of each key's first slot (ATen) bounds them; then
+// vbe_backward_kernel, one block per (input gradient, tile of its rows, tile of its
+// columns), sized by the bytes it reads and writes, so none is idle. A block lists the
+// plan rows adding to its columns (vbe_find_sums, as find_sums) and writes each element
+// of its tile once: the sum over the row's samples in sample order, each sample's
+// gradient blocks in plan order, in float32 for float16/bfloat16 (the CPU kernel's order,
+// so its bits; a row without an index is its own sample, and one gradient block keeps its
+// bits, in 16-byte vectors where aligned); zeros for rows no sample reads and columns no
+// row adds to. The input gradients are views of one flat buffer (what the op returns). A
+// row's sum is one thread's loop: rows read by many samples are slow, the price of the
+// CPU's bits. Indices are checked on the device: an index outside its input stops the
+// kernel with a device-side assert (as index_select's), after printing the CPU kernel's
+// message (input, sample, value); the forward checks the indices of inputs some row
+// reads, the backward every index (the CPU kernel checks every index). Reading them on
+// the host would wait for the device; indices are on the data's device (the op checks
+// it), so there is no host copy to check. The checks that read the plan run in full where
+// it is on the CPU, as above. Other dtypes of the backward, or more than kMaxReads
+// gradients (they are kernel parameters), take the portable path (index_add_).
 //
 // *Dtypes, and what is compiled.* The forward (and _into) is a byte copy, one kernel per
 // element size (1, 2, 4, 8, 16 bytes), for any dtype. The fused cast of
@@ -93,7 +102,8 @@
 // first. The backward takes float32/float64/float16/bfloat16 gradients: one kernel per
 // (input-gradient dtype, compute type), the gradients' dtype read at run time (7 kernels,
 // not 16); other dtypes take the portable path. The variable-batch forward: one kernel per
-// element size (5), its backward one per float dtype (4). 25 kernels in all.
+// element size (5), its backward's keys one per key dtype (int32, int64 past 2^31 - 1
+// rows: 2), its sums one per float dtype (4). 27 kernels in all.
 //
 // *Compiled and exported graphs.* torch.compile, torch.export and AOTInductor call the
 // op, as FBGEMM's: the kernels run from the dispatcher, in eager, in a compiled graph,
@@ -105,8 +115,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/arange.h>
-#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/searchsorted.h>
 #include <ATen/ops/sort.h>
 #include <c10/util/BFloat16.h>
@@ -118,6 +127,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -383,64 +393,30 @@ __device__ void zero_block(
   }
 }
 
-// The rows of the VBE forward's inputs (a launch's chunk of them): input t's row for
-// batch row b is indices[t][b], or b where input t has no index.
-template <int N>
-struct RowIndex {
-  const void* index[N];  // int32 or int64; nullptr: row b
-  int64_t stride[N];
-  int64_t rows[N];  // input t's rows: an index outside [0, rows) is an error
-  bool is64[N];
-};
-
-// Input t's row for batch row b; -1 (after the assert) for an index outside the input.
-// `input`: t's index in the op's list (for the message).
-template <int N>
-__device__ int64_t index_row(const RowIndex<N>& x, int64_t t, int64_t b, int64_t input) {
-  const void* p = x.index[t];
-  if (p == nullptr) return b;
-  const int64_t o = b * x.stride[t];
-  const int64_t v = x.is64[t]
-                        ? ld<__LINE__>(static_cast<const int64_t*>(p) + o)
-                        : static_cast<int64_t>(ld<__LINE__>(static_cast<const int32_t*>(p) + o));
-  const bool inside = v >= 0 && v < x.rows[t];
-  KT_REGROUP_INDEX_ASSERT(
-      inside,
-      "kt_regroup.permute_multi_embedding_vbe: indices[%lld][%lld] = %lld is out of range "
-      "for input %lld, which has %lld rows",
-      static_cast<long long>(input), static_cast<long long>(b), static_cast<long long>(v),
-      static_cast<long long>(input), static_cast<long long>(x.rows[t]));
-  return inside ? v : -1;
-}
-
-// A copy block of the forward as a byte copy (elements of ES bytes, inputs of the outputs'
-// dtype): its row's segment for its tile of batch rows, batch row b read from input row
-// row_of(t, b) (b itself, or through the VBE op's index; -1: zeros).
+// A copy block's work as a byte copy (elements of ES bytes, an input of the output's
+// dtype): columns [s.lo, s.hi) of `row`'s segment (s inside the output) for batch rows
+// [b0, b0 + rows), batch row b read from input row row_of(b) (b itself, or through the
+// VBE op's index; -1: zeros).
 template <int ES, typename RowOf>
-__device__ void copy_block(
-    const Launch& L,
-    const Tensors<kMaxTensors>& in,
-    const Tensors<kMaxTensors>& out,
-    int64_t blk,
+__device__ void copy_segment(
+    const Row& row,
+    Span s,
+    const char* in_ptr,
+    int64_t srs,
+    int64_t scs,
+    int64_t in_width,
+    char* out_ptr,
+    int64_t drs,
+    int64_t b0,
+    int64_t rows,
     RowOf row_of) {
   using E = typename Bytes<ES>::type;
-  const int64_t r = blk % L.plan.n_rows;
-  const Row row = load_row<false>(L.plan, r);
-  int64_t wt;
-  Span s;
-  if (!writes<false>(row, out, L, wt, s)) return;
-  const int64_t rt = row.read_t - in.lo;
-  if (rt < 0 || rt >= in.count) return;  // another launch's input
-  const int64_t b0 = (blk / L.plan.n_rows) * L.tile_rows;
-  const int64_t rows = imin(L.batch - b0, L.tile_rows);
   const int64_t cols = s.hi - s.lo;
-  char* dst = const_cast<char*>(out.ptr[wt]) + (row.write_off + s.lo) * ES;
-  const int64_t drs = out.row_stride[wt];
-  const Span rd = clip(row.read_off, row.length, in.width[rt]);
+  char* dst = out_ptr + (row.write_off + s.lo) * ES;
+  const Span rd = clip(row.read_off, row.length, in_width);
   const bool readable = rd.lo <= s.lo && rd.hi >= s.hi;  // every column of the tile
-  const int64_t srs = in.row_stride[rt], scs = in.col_stride[rt];
   if (readable) {
-    const char* src = in.ptr[rt] + (row.read_off + s.lo) * scs * ES;
+    const char* src = in_ptr + (row.read_off + s.lo) * scs * ES;
     const int64_t row_bytes = cols * ES;
     if ((scs == 1 || cols == 1) && row_bytes % 16 == 0 && (drs * ES) % 16 == 0 &&
         (srs * ES) % 16 == 0 && (reinterpret_cast<uintptr_t>(dst) % 16) == 0 &&
@@ -451,24 +427,42 @@ __device__ void copy_block(
       for_tile<uint4>(
           rows, row_bytes / 16,
           [&](int64_t b, int64_t j) {
-            const int64_t from = row_of(rt, b0 + b);
+            const int64_t from = row_of(b0 + b);
             return from >= 0 ? ld<__LINE__>(vs + from * v_srs + j) : uint4{0, 0, 0, 0};
           },
           [&](int64_t b, int64_t j, const uint4& v) { st<__LINE__>(vd + b * v_drs + j, v); });
       return;
     }
   }
-  const E* src = reinterpret_cast<const E*>(in.ptr[rt]);
+  const E* src = reinterpret_cast<const E*>(in_ptr);
   E* d = reinterpret_cast<E*>(dst);
   for_tile<E>(
       rows, cols,
       [&](int64_t b, int64_t j) {
-        const int64_t c = s.lo + j, from = row_of(rt, b0 + b);
+        const int64_t c = s.lo + j, from = row_of(b0 + b);
         return (c >= rd.lo && c < rd.hi && from >= 0)
                    ? ld<__LINE__>(src + from * srs + (row.read_off + c) * scs)
                    : E{};
       },
       [&](int64_t b, int64_t j, const E& v) { st<__LINE__>(d + (b0 + b) * drs + j, v); });
+}
+
+// A copy block of the forward: its row's segment for its tile of batch rows.
+template <int ES>
+__device__ void copy_block(
+    const Launch& L, const Tensors<kMaxTensors>& in, const Tensors<kMaxTensors>& out, int64_t blk) {
+  const int64_t r = blk % L.plan.n_rows;
+  const Row row = load_row<false>(L.plan, r);
+  int64_t wt;
+  Span s;
+  if (!writes<false>(row, out, L, wt, s)) return;
+  const int64_t rt = row.read_t - in.lo;
+  if (rt < 0 || rt >= in.count) return;  // another launch's input
+  const int64_t b0 = (blk / L.plan.n_rows) * L.tile_rows;
+  copy_segment<ES>(
+      row, s, in.ptr[rt], in.row_stride[rt], in.col_stride[rt], in.width[rt],
+      const_cast<char*>(out.ptr[wt]), out.row_stride[wt], b0, imin(L.batch - b0, L.tile_rows),
+      [](int64_t b) { return b; });
 }
 
 // The forward as a byte copy.
@@ -477,21 +471,7 @@ __global__ void __launch_bounds__(kThreads) permute_copy_kernel(
     const Launch L, const Tensors<kMaxTensors> in, const Tensors<kMaxTensors> out) {
   const int64_t blk = blockIdx.x;
   if (blk < L.zero_blocks) return zero_block<false, ES>(L, out, blk);
-  copy_block<ES>(L, in, out, blk - L.zero_blocks, [](int64_t, int64_t b) { return b; });
-}
-
-// The VBE forward (permute_multi_embedding_vbe): the byte copy through the inputs' indices.
-template <int ES>
-__global__ void __launch_bounds__(kThreads) vbe_copy_kernel(
-    const Launch L,
-    const Tensors<kMaxTensors> in,
-    const Tensors<kMaxTensors> out,
-    const RowIndex<kMaxTensors> index) {
-  const int64_t blk = blockIdx.x;
-  if (blk < L.zero_blocks) return zero_block<false, ES>(L, out, blk);
-  copy_block<ES>(L, in, out, blk - L.zero_blocks, [&](int64_t t, int64_t b) {
-    return index_row(index, t, b, in.lo + t);
-  });
+  copy_block<ES>(L, in, out, blk - L.zero_blocks);
 }
 
 // x converted as torch's .to() converts it (c10's rounding; float16/bfloat16 from float).
@@ -900,102 +880,380 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
   }
 }
 
-// The VBE backward's samples of each input gradient (a launch's chunk of them), by row:
-// csr[t] holds [starts (rows[t] + 1), the samples of row 0, row 1, ... in sample order
-// (batch), their indices, ascending (batch)], int64 (samples_by_row); nullptr where the
-// input has no index (row r is sample r).
-template <int N>
-struct Samples {
-  const int64_t* csr[N];
-  int64_t rows[N];
-  int64_t batch;
+// ---- the variable-batch ops' device code (permute_multi_embedding_vbe{,_backward}) -----
+
+// Their tensors in a device table (any number of them: kernel parameters would not hold
+// a thousand), int64 fields written on the host and copied to the device once per call;
+// read through ld_plan, as the plan.
+struct VbeIn {  // a forward input
+  int64_t ptr, row_stride, col_stride, width, rows;
+  int64_t index, index_stride, index_is64;  // index 0: batch row b reads row b
+};
+struct VbeOut {  // a forward output; first: its first column, the outputs side by side
+  int64_t ptr, row_stride, width, first;
+};
+struct VbeGrad {  // an input gradient of the backward (rows x width, contiguous)
+  int64_t ptr, width, rows;
+  int64_t block_begin, row_tile, col_tile, col_tiles;  // its blocks: row tiles x column tiles
+  int64_t key_base;   // the key of its row 0; -1: no index (row r is sample r)
+  int64_t slot_base;  // the slot of its sample 0 (slots: the indexed inputs' samples in a row)
+};
+struct VbeIndex {  // an indexed input of the backward, for its samples' keys
+  int64_t ptr, stride, is64, rows, key_base, input;
 };
 
-// The VBE backward (permute_multi_embedding_vbe_backward): a block of input rows sums,
-// for each row and column its permute row owns (find_sums), over the row's samples in
-// sample order, each sample's gradient blocks in plan order, in Acc (float32 for
-// float16/bfloat16): the CPU kernel's order (unpatched torchrec's), so its bits. Rows no
-// sample reads get zeros. The gradients have D's dtype (the op checks it). The input
-// gradients are rows[t] x width views of one buffer.
-template <typename D>
-__global__ void __launch_bounds__(kThreads) vbe_backward_kernel(
-    const Launch L,
-    const Tensors<kMaxReads> grads,
-    const Tensors<kMaxTensors> out,
-    const Samples<kMaxTensors> samples) {
-  using Acc = typename Accumulate<D>::type;
-  int64_t blk = blockIdx.x;
-  if (blk < L.zero_blocks) return zero_block<true, sizeof(D)>(L, out, blk, samples.rows);
-  blk -= L.zero_blocks;
-  const int64_t r = blk % L.plan.n_rows;
-  int64_t wt;
-  Span cols, adds;
-  if (!backward_span(load_row<true>(L.plan, r), grads, out, L, wt, cols, adds)) return;
-  const int64_t n_rows = samples.rows[wt], r0 = (blk / L.plan.n_rows) * L.tile_rows;
-  const int64_t rows = imin(n_rows - r0, L.tile_rows);
-  if (rows <= 0) return;
-  const int64_t* starts = samples.csr[wt];
-  const int64_t* by_row = starts ? starts + n_rows + 1 : nullptr;
-  if (starts && r0 == 0 && threadIdx.x == 0 && samples.batch > 0) {
-    for (int e = 0; e < 2; ++e) {  // the smallest index and the largest
-      const int64_t q = e ? samples.batch - 1 : 0, v = ld<__LINE__>(by_row + samples.batch + q);
-      const int64_t input = out.lo + wt;
-      KT_REGROUP_INDEX_ASSERT(
-          v >= 0 && v < n_rows,
-          "kt_regroup.permute_multi_embedding_vbe_backward: indices[%lld][%lld] = %lld is "
-          "out of range for input %lld, which has %lld rows",
-          static_cast<long long>(input), static_cast<long long>(ld<__LINE__>(by_row + q)),
-          static_cast<long long>(v), static_cast<long long>(input), static_cast<long long>(n_rows));
+template <typename T>
+__device__ __forceinline__ T* as_ptr(int64_t p) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(p));
+}
+
+// Entry k of a table section.
+template <typename S>
+__device__ S entry(const S* section, int64_t k) {
+  static_assert(sizeof(S) % sizeof(int64_t) == 0, "int64 fields only");
+  constexpr int n = int(sizeof(S) / sizeof(int64_t));
+  const int64_t* from = reinterpret_cast<const int64_t*>(section + k);
+  int64_t fields[n];
+#pragma unroll
+  for (int f = 0; f < n; ++f) fields[f] = ld_plan(from + f);
+  S s;
+  memcpy(&s, fields, sizeof(S));  // registers to registers
+  return s;
+}
+
+// The last k in [0, n) whose field (at `offset` int64s into entry k) is <= v; entries
+// sorted by it (a prefix of counts). n >= 1.
+template <typename S>
+__device__ int64_t last_at_most(const S* section, int64_t n, int offset, int64_t v) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int64_t m = lo + (hi - lo + 1) / 2;
+    const int64_t f = ld_plan(reinterpret_cast<const int64_t*>(section + m) + offset);
+    if (f <= v) {
+      lo = m;
+    } else {
+      hi = m - 1;
     }
   }
+  return lo;
+}
+
+constexpr int64_t kVbeTileRows = 1024;  // batch rows per VBE copy block, at most
+
+struct VbeLaunch {
+  Plan plan;
+  const VbeIn* ins;
+  const VbeOut* outs;
+  int64_t n_ins, n_outs, batch;
+  int64_t tile_rows;       // batch rows per copy block
+  int64_t zero_blocks;     // the first blocks of the grid, each taking every zero_blocks-th tile
+  int64_t zero_tiles;      // zero_col_tiles x chunks of zero_rows batch rows
+  int64_t zero_col_tiles;  // of kZeroCols columns of the outputs side by side
+  int64_t zero_rows;
+  int64_t total_cols;
+};
+
+// Input `in`'s row for batch row b: b without an index; -1 (after the assert) for an
+// index outside the input. `input`: its index in the op's list (for the message).
+__device__ int64_t vbe_row(const VbeIn& in, int64_t b, int64_t input) {
+  if (in.index == 0) return b;
+  const int64_t o = b * in.index_stride;
+  const int64_t v = in.index_is64
+                        ? ld<__LINE__>(as_ptr<const int64_t>(in.index) + o)
+                        : static_cast<int64_t>(ld<__LINE__>(as_ptr<const int32_t>(in.index) + o));
+  const bool inside = v >= 0 && v < in.rows;
+  KT_REGROUP_INDEX_ASSERT(
+      inside,
+      "kt_regroup.permute_multi_embedding_vbe: indices[%lld][%lld] = %lld is out of range "
+      "for input %lld, which has %lld rows",
+      static_cast<long long>(input), static_cast<long long>(b), static_cast<long long>(v),
+      static_cast<long long>(input), static_cast<long long>(in.rows));
+  return inside ? v : -1;
+}
+
+// Whether a forward row copies (tensors inside the lists, columns inside its output),
+// its output and columns.
+__device__ bool vbe_writes(const VbeLaunch& L, const Row& row, VbeOut& out, Span& s) {
+  if (row.write_t < 0 || row.write_t >= L.n_outs || row.read_t < 0 || row.read_t >= L.n_ins) {
+    return false;  // a no-op: its columns are zero-filled
+  }
+  out = entry(L.outs, row.write_t);
+  s = clip(row.write_off, row.length, out.width);
+  return s.lo < s.hi;
+}
+
+// Zero tile z of the VBE forward: the columns of its tile (of the outputs side by side)
+// that no row writes, for its batch rows (as zero_block, the outputs from the table).
+template <int ES>
+__device__ void vbe_zero_tile(const VbeLaunch& L, int64_t z) {
+  using E = typename Bytes<ES>::type;
+  __shared__ bool covered[kZeroCols];
+  const int64_t c0 = (z % L.zero_col_tiles) * kZeroCols;
+  const int64_t n_cols = imin(kZeroCols, L.total_cols - c0);
+  for (int k = threadIdx.x; k < kZeroCols; k += kThreads) covered[k] = false;
+  __syncthreads();
+  for (int64_t r = threadIdx.x; r < L.plan.n_rows; r += kThreads) {
+    const Row row = load_row<false>(L.plan, r);
+    VbeOut out;
+    Span s;
+    if (!vbe_writes(L, row, out, s)) continue;
+    const int64_t a = imax(out.first + row.write_off + s.lo, c0);
+    const int64_t e = imin(out.first + row.write_off + s.hi, c0 + n_cols);
+    for (int64_t c = a; c < e; ++c) covered[c - c0] = true;
+  }
+  __syncthreads();
+  bool gap = false;
+  for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) gap |= !covered[k];
+  if (!__syncthreads_or(gap)) return;
+  const int64_t b0 = (z / L.zero_col_tiles) * L.zero_rows;
+  const int64_t b1 = imin(L.batch, b0 + L.zero_rows);
+  tile_begins();
+  for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) {
+    tile_step();
+    if (covered[k]) continue;
+    const int64_t c = c0 + k;
+    const VbeOut out = entry(L.outs, last_at_most(L.outs, L.n_outs, 3, c));  // first <= c
+    E* dst = as_ptr<E>(out.ptr) + (c - out.first);
+    for (int64_t b = b0; b < b1; ++b) st<__LINE__>(dst + b * out.row_stride, E{});
+  }
+}
+
+// The VBE forward (permute_multi_embedding_vbe), one launch whatever the number of
+// inputs: the zero blocks first (each every zero_blocks-th zero tile), then one block per
+// (permute row, tile of batch rows), the byte copy through the inputs' indices.
+template <int ES>
+__global__ void __launch_bounds__(kThreads) vbe_copy_kernel(const VbeLaunch L) {
+  int64_t blk = blockIdx.x;
+  if (blk < L.zero_blocks) {
+    for (int64_t z = blk; z < L.zero_tiles; z += L.zero_blocks) {
+      vbe_zero_tile<ES>(L, z);
+      __syncthreads();  // covered[] is the next tile's
+    }
+    return;
+  }
+  blk -= L.zero_blocks;
+  const Row row = load_row<false>(L.plan, blk % L.plan.n_rows);
+  VbeOut out;
+  Span s;
+  if (!vbe_writes(L, row, out, s)) return;
+  const VbeIn in = entry(L.ins, row.read_t);
+  const int64_t b0 = (blk / L.plan.n_rows) * L.tile_rows;
+  const int64_t rows = imin(L.batch - b0, L.tile_rows);
+  // The tile's input rows, read (and checked) once per batch row.
+  __shared__ int64_t from[kVbeTileRows];
+  tile_begins();
+  for (int64_t b = threadIdx.x; b < rows; b += kThreads) {
+    tile_step();
+    from[b] = vbe_row(in, b0 + b, row.read_t);
+  }
+  __syncthreads();
+  copy_segment<ES>(
+      row, s, as_ptr<const char>(in.ptr), in.row_stride, in.col_stride, in.width,
+      as_ptr<char>(out.ptr), out.row_stride, b0, rows, [&](int64_t b) { return from[b - b0]; });
+}
+
+// The backward's keys: slot s (sample b of the k-th indexed input, s = k * batch + b) has
+// key key_base + indices[b] (its row among the indexed inputs' rows side by side); a
+// stable sort of the keys then lists each row's samples in sample order. bounds[g] = g
+// (g in [0, n_keys]) for the search of each key's first slot. Every index is checked.
+struct VbeKeys {
+  const VbeIndex* inputs;
+  int64_t n_indexed, batch, n_keys;
+  void* keys;    // n_indexed * batch of K
+  void* bounds;  // n_keys + 1 of K
+};
+
+template <typename K>
+__global__ void __launch_bounds__(kThreads) vbe_keys_kernel(const VbeKeys L) {
+  const int64_t s = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (s <= L.n_keys) st<__LINE__>(static_cast<K*>(L.bounds) + s, static_cast<K>(s));
+  if (s >= L.n_indexed * L.batch) return;
+  const int64_t k = s / L.batch, b = s - k * L.batch;
+  const VbeIndex x = entry(L.inputs, k);
+  const int64_t o = b * x.stride;
+  const int64_t v = x.is64 ? ld<__LINE__>(as_ptr<const int64_t>(x.ptr) + o)
+                           : static_cast<int64_t>(ld<__LINE__>(as_ptr<const int32_t>(x.ptr) + o));
+  const bool inside = v >= 0 && v < x.rows;
+  KT_REGROUP_INDEX_ASSERT(
+      inside,
+      "kt_regroup.permute_multi_embedding_vbe_backward: indices[%lld][%lld] = %lld is out "
+      "of range for input %lld, which has %lld rows",
+      static_cast<long long>(x.input), static_cast<long long>(b), static_cast<long long>(v),
+      static_cast<long long>(x.input), static_cast<long long>(x.rows));
+  // An index outside its input sorts past every row: no row sums it.
+  st<__LINE__>(static_cast<K*>(L.keys) + s, static_cast<K>(inside ? x.key_base + v : L.n_keys));
+}
+
+struct VbeBackLaunch {
+  Plan plan;
+  const VbeGrad* ins;  // the input gradients
+  int64_t n_ins;
+  const int64_t* starts;  // key g's samples: order[starts[g], starts[g + 1]); nullptr: none
+  const int64_t* order;   // the slots by key, in slot order within a key
+};
+
+// Whether plan row `row` (read as the backward reads it) adds to columns `cols` of input
+// gradient i (`width` wide), and its link there: its gradient defined, both segments
+// clipped to their tensors.
+__device__ bool vbe_link(
+    const Row& row, const Tensors<kMaxReads>& grads, int64_t i, int64_t width, Span cols, Link& l) {
+  const int64_t gt = row.read_t;
+  if (row.write_t != i || gt < 0 || gt >= grads.count) return false;
+  const Span s = clip(row.write_off, row.length, width);
+  const Span rd = clip(row.read_off, row.length, grads.width[gt]);
+  const int64_t lo = imax(s.lo, rd.lo), hi = imin(s.hi, rd.hi);
+  if (lo >= hi) return false;
+  const Span adds{imax(row.write_off + lo, cols.lo), imin(row.write_off + hi, cols.hi)};
+  if (adds.lo >= adds.hi) return false;
+  l = link_of(row, grads, adds);
+  return true;
+}
+
+// Fills S for a block of input gradient i's columns `cols`: the plan rows adding to
+// them, in plan order (the plan scanned kThreads rows at a time), and its pieces (runs
+// of columns with one set of rows; a run no row adds to has none). More than kMaxLinks
+// rows: S.walk.
+__device__ void vbe_find_sums(
+    const VbeBackLaunch& L,
+    const Tensors<kMaxReads>& grads,
+    int64_t i,
+    int64_t width,
+    Span cols,
+    Sums& S) {
+  __shared__ bool hit[kThreads];
+  if (threadIdx.x == 0) {
+    S.n_links = S.n_earlier = S.n_pieces = 0;
+    S.walk = S.none = false;
+  }
+  for (int64_t k0 = 0; k0 < L.plan.n_rows; k0 += kThreads) {
+    const int64_t k = k0 + threadIdx.x;
+    Link l;
+    const bool h =
+        k < L.plan.n_rows && vbe_link(load_row<true>(L.plan, k), grads, i, width, cols, l);
+    hit[threadIdx.x] = h;
+    if (!__syncthreads_or(h)) continue;  // as a rule: rows of other inputs only
+    if (threadIdx.x == 0) {
+      for (int t = 0; t < kThreads && !S.walk; ++t) {
+        if (!hit[t]) continue;
+        if (S.n_links == kMaxLinks) {
+          S.walk = true;
+        } else {
+          vbe_link(load_row<true>(L.plan, k0 + t), grads, i, width, cols, S.links[S.n_links++]);
+        }
+      }
+    }
+    __syncthreads();
+    if (S.walk) return;
+  }
+  if (threadIdx.x == 0) build_pieces(S, cols);
+  __syncthreads();
+}
+
+// The VBE backward (permute_multi_embedding_vbe_backward), one launch whatever the
+// number of inputs: one block per (input gradient, tile of its rows, tile of its
+// columns), each writing every element of its tile once. Element (row, x) sums over the
+// row's samples in sample order, each sample's gradient blocks in plan order, in Acc
+// (float32 for float16/bfloat16): the CPU kernel's order (unpatched torchrec's), so its
+// bits; a row without an index is its own sample, and one gradient block keeps its bits.
+// Rows no sample reads and columns no row adds to get zeros. The gradients have D's
+// dtype (the op checks it).
+template <typename D>
+__global__ void __launch_bounds__(kThreads)
+    vbe_backward_kernel(const VbeBackLaunch L, const Tensors<kMaxReads> grads) {
+  using Acc = typename Accumulate<D>::type;
+  const int64_t blk = blockIdx.x;
+  const int64_t i = last_at_most(L.ins, L.n_ins, 3, blk);  // block_begin <= blk
+  const VbeGrad g = entry(L.ins, i);
+  const int64_t local = blk - g.block_begin;
+  const int64_t c0 = (local % g.col_tiles) * g.col_tile;
+  const int64_t r0 = (local / g.col_tiles) * g.row_tile;
+  const Span cols{c0, imin(g.width, c0 + g.col_tile)};
+  const int64_t rows = imin(g.rows - r0, g.row_tile);
   __shared__ Sums S;
-  find_sums(L, grads, out, r, wt, cols, S);
-  if (S.none) return;
-  const int64_t drs = out.row_stride[wt];
-  D* const dst = reinterpret_cast<D*>(const_cast<char*>(out.ptr[wt])) + r0 * drs;
+  vbe_find_sums(L, grads, i, g.width, cols, S);
+  const int64_t drs = g.width;
+  D* const dst = as_ptr<D>(g.ptr) + r0 * drs;
+  const bool indexed = g.key_base >= 0;
+  const int64_t* starts = indexed && L.starts ? L.starts + g.key_base + r0 : nullptr;
   const auto value = [](const Link& l, int64_t sample, int64_t x) {
     return ld<__LINE__>(reinterpret_cast<const D*>(l.ptr) + sample * l.rs + (x + l.shift) * l.cs);
   };
-  // Row r0 + b, column x: each sample's sum over the links `each` calls, then the row's
-  // over its samples (a row without an index is its own sample and keeps its sum's bits).
+  // Row r0 + b, column x, over the links `each` calls.
   const auto element = [&](int64_t b, int64_t x, auto each) {
-    const int64_t row = r0 + b;
-    const int64_t q0 = starts ? ld<__LINE__>(starts + row) : row;
-    const int64_t q1 = starts ? ld<__LINE__>(starts + row + 1) : row + 1;
-    Acc acc = Acc(0);
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t sample = by_row ? ld<__LINE__>(by_row + q) : q;
+    if (!indexed) {  // row r is sample r
       Acc sum = Acc(0);
       int n = 0;
       D one{};
       each([&](const Link& l) {
-        const D v = value(l, sample, x);
-        sum = n == 0 ? static_cast<Acc>(v) : sum + static_cast<Acc>(v);
-        one = v;
+        one = value(l, r0 + b, x);
+        sum = n == 0 ? static_cast<Acc>(one) : sum + static_cast<Acc>(one);
         ++n;
       });
-      if (!starts) return n == 1 ? one : static_cast<D>(sum);  // the CPU kernel copies one
+      return n == 1 ? one : static_cast<D>(sum);  // the CPU kernel copies one
+    }
+    Acc acc = Acc(0);
+    if (starts == nullptr) return static_cast<D>(acc);  // no samples at all (batch 0)
+    const int64_t q1 = ld<__LINE__>(starts + b + 1);
+    for (int64_t q = ld<__LINE__>(starts + b); q < q1; ++q) {
+      const int64_t sample = ld<__LINE__>(L.order + q) - g.slot_base;
+      Acc sum = Acc(0);
+      int n = 0;
+      each([&](const Link& l) {
+        const Acc v = static_cast<Acc>(value(l, sample, x));
+        sum = n == 0 ? v : sum + v;
+        ++n;
+      });
       acc = acc + sum;
     }
     return static_cast<D>(acc);
   };
-  if (S.walk) {
+  if (S.walk) {  // more rows than listed: each element walks the plan
+    const int64_t w = cols.hi - cols.lo;
     tile_begins();
-    for (int64_t i = threadIdx.x; i < rows * (cols.hi - cols.lo); i += kThreads) {
+    for (int64_t e = threadIdx.x; e < rows * w; e += kThreads) {
       tile_step();
-      const int64_t b = i / (cols.hi - cols.lo), x = cols.lo + i % (cols.hi - cols.lo);
-      if (!walk_column(L, grads, out, r, wt, x, [](const Link&) {})) continue;
-      st<__LINE__>(dst + b * drs + x, element(b, x, [&](auto add) {
-                     walk_column(L, grads, out, r, wt, x, add);
-                   }));
+      const int64_t b = e / w, x = cols.lo + e % w;
+      st<__LINE__>(
+          dst + b * drs + x, element(b, x, [&](auto add) {
+            for (int64_t k = 0; k < L.plan.n_rows; ++k) {
+              Link l;
+              if (vbe_link(load_row<true>(L.plan, k), grads, i, g.width, Span{x, x + 1}, l)) {
+                add(l);
+              }
+            }
+          }));
     }
     return;
   }
   for (int q = 0; q < S.n_pieces; ++q) {
     const Piece pc = S.pieces[q];
+    const int64_t width = pc.hi - pc.lo;
     D* const d = dst + pc.lo;
+    if (pc.links == 0) {  // no row adds to these columns
+      for_tile<D>(
+          rows, width, [](int64_t, int64_t) { return static_cast<D>(Acc(0)); },
+          [&](int64_t b, int64_t j, const D& v) { st<__LINE__>(d + b * drs + j, v); });
+      continue;
+    }
+    if (!indexed && link_count(pc.links) == 1) {
+      // One gradient block, row r its sample r: its bits, in 16-byte vectors where aligned.
+      const Link l = S.links[first_link(pc.links)];
+      const D* src = reinterpret_cast<const D*>(l.ptr) + r0 * l.rs + (pc.lo + l.shift) * l.cs;
+      constexpr int64_t es = sizeof(D);
+      if (l.cs == 1 && (width * es) % 16 == 0 && (l.rs * es) % 16 == 0 && (drs * es) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(d) % 16 == 0) {
+        const uint4* vs = reinterpret_cast<const uint4*>(src);
+        uint4* vd = reinterpret_cast<uint4*>(d);
+        const int64_t v_srs = l.rs * es / 16, v_drs = drs * es / 16;
+        for_tile<uint4>(
+            rows, width * es / 16,
+            [&](int64_t b, int64_t j) { return ld<__LINE__>(vs + b * v_srs + j); },
+            [&](int64_t b, int64_t j, const uint4& v) { st<__LINE__>(vd + b * v_drs + j, v); });
+        continue;
+      }
+    }
     for_tile<D>(
-        rows, pc.hi - pc.lo,
+        rows, width,
         [&](int64_t b, int64_t j) {
           return element(b, pc.lo + j, [&](auto add) {
             for (int k = 0; k < S.n_links; ++k) {
@@ -1015,12 +1273,14 @@ static_assert(
         48 * 1024,
     "static shared memory over 48 KiB");
 
+static_assert(
+    sizeof(bool) * kZeroCols + sizeof(int64_t) * kVbeTileRows <= 48 * 1024,
+    "static shared memory of the VBE forward over 48 KiB");
+
 // A launch's arguments stay within the 4 KiB every CUDA version and GPU accepts.
 static_assert(
-    sizeof(Launch) + sizeof(Tensors<kMaxReads>) + sizeof(Tensors<kMaxTensors>) +
-                sizeof(Samples<kMaxTensors>) <=
-            4000 &&
-        sizeof(Launch) + 2 * sizeof(Tensors<kMaxTensors>) + sizeof(RowIndex<kMaxTensors>) <= 4000,
+    sizeof(Launch) + sizeof(Tensors<kMaxReads>) + sizeof(Tensors<kMaxTensors>) <= 4000 &&
+        sizeof(VbeBackLaunch) + sizeof(Tensors<kMaxReads>) <= 4000 && sizeof(VbeLaunch) <= 4000,
     "kernel arguments over 4 KiB");
 
 // ---- host side ------------------------------------------------------------------------
@@ -1235,75 +1495,108 @@ void with_backward_kernel(c10::ScalarType grad_dtype, c10::ScalarType dtype, Run
 
 // ---- the variable-batch ops (permute_multi_embedding_vbe{,_backward}) -----------------
 
-// The index of each input of a forward launch's chunk (inputs [lo, lo + count)).
-template <int N>
-RowIndex<N> row_index(
-    const std::vector<std::optional<at::Tensor>>& indices,
-    const TensorPtrs& inputs,
-    int64_t lo,
-    int64_t count) {
-  RowIndex<N> x{};
-  for (int64_t k = 0; k < count; ++k) {
-    const size_t i = static_cast<size_t>(lo + k);
-    x.rows[k] = inputs[i]->size(0);
-    if (i >= indices.size() || !indices[i].has_value() || !indices[i]->defined()) continue;
-    const at::Tensor& idx = *indices[i];
-    x.index[k] = idx.const_data_ptr();
-    x.stride[k] = idx.stride(0);
-    x.is64[k] = idx.scalar_type() == at::kLong;
-  }
-  return x;
+template <typename T>
+int64_t as_field(const T* p) {
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
 }
 
-// The VBE forward's launches: run(kernel, blocks, L, reads, writes, index) for each, as
-// forward_launches plans them (`outs`: batch rows; `inputs`: of the outputs' dtype).
-template <typename Run>
+// Appends entry e (int64 fields) to a table.
+template <typename S>
+void append(std::vector<int64_t>& fields, const S& e) {
+  static_assert(sizeof(S) % sizeof(int64_t) == 0, "int64 fields only");
+  const size_t at = fields.size();
+  fields.resize(at + sizeof(S) / sizeof(int64_t));
+  std::memcpy(fields.data() + at, &e, sizeof(S));
+}
+
+bool has_index(const std::vector<std::optional<at::Tensor>>& indices, size_t i) {
+  return i < indices.size() && indices[i].has_value() && indices[i]->defined();
+}
+
+// The VBE forward's launch (`outs`: batch rows; `inputs`: of the outputs' dtype):
+// upload(fields) gives the table of inputs and outputs (std::vector<int64_t>) on the
+// data's device, then run(kernel, blocks, L): one launch, whatever the number of inputs.
+template <typename Upload, typename Run>
 void vbe_forward_launches(
     const at::Tensor& plan,
     const std::vector<at::Tensor>& inputs,
     const std::vector<std::optional<at::Tensor>>& indices,
     const std::vector<at::Tensor>& outs,
     int64_t batch,
+    Upload upload,
     Run run) {
-  TensorPtrs in_ptrs, out_ptrs;
-  for (const at::Tensor& t : inputs) in_ptrs.push_back(&t);
-  for (const at::Tensor& t : outs) out_ptrs.push_back(&t);
+  std::vector<int64_t> fields;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& x = inputs[i];
+    VbeIn e{as_field(x.const_data_ptr()), x.stride(0), x.stride(1), x.size(1), x.size(0), 0, 0, 0};
+    if (has_index(indices, i)) {
+      const at::Tensor& idx = *indices[i];
+      e.index = as_field(idx.const_data_ptr());
+      e.index_stride = idx.stride(0);
+      e.index_is64 = idx.scalar_type() == at::kLong;
+    }
+    append(fields, e);
+  }
+  int64_t total_cols = 0;
+  for (const at::Tensor& t : outs) {
+    append(fields, VbeOut{as_field(t.mutable_data_ptr()), t.stride(0), t.size(1), total_cols});
+    total_cols += t.size(1);
+  }
+  const at::Tensor on_device = upload(fields);
+  const int64_t* base = on_device.const_data_ptr<int64_t>();
   const int64_t es = outs[0].element_size();
-  forward_launches(
-      plan, in_ptrs, out_ptrs, batch, es,
-      [&](const Launch& L, const auto& r, const auto& w, int64_t blocks) {
-        const auto index = row_index<kMaxTensors>(indices, in_ptrs, r.lo, r.count);
-        const auto go = [&](auto kernel) { run(kernel, blocks, L, r, w, index); };
-        switch (es) {
-          case 1:
-            return go(&vbe_copy_kernel<1>);
-          case 2:
-            return go(&vbe_copy_kernel<2>);
-          case 4:
-            return go(&vbe_copy_kernel<4>);
-          case 8:
-            return go(&vbe_copy_kernel<8>);
-          case 16:
-            return go(&vbe_copy_kernel<16>);
-          default:
-            TORCH_CHECK(false, "kt_regroup: no CUDA copy of ", es, "-byte elements");
-        }
-      });
+  VbeLaunch L{};
+  L.plan = device_plan(plan);
+  L.ins = reinterpret_cast<const VbeIn*>(base);
+  L.outs =
+      reinterpret_cast<const VbeOut*>(base + inputs.size() * (sizeof(VbeIn) / sizeof(int64_t)));
+  L.n_ins = static_cast<int64_t>(inputs.size());
+  L.n_outs = static_cast<int64_t>(outs.size());
+  L.batch = batch;
+  L.total_cols = total_cols;
+  // Copy blocks as the forward's (plan_launch); zero tiles as its zero blocks, taken by
+  // one zero block per 32 copy blocks at most: where the plan leaves no gap (as a rule)
+  // they write nothing. Without copy blocks, one zero block per tile.
+  const Launch sizes = plan_launch(plan, batch, L.n_ins, total_cols, es, /*zero_fill=*/true);
+  L.tile_rows = std::min(sizes.tile_rows, kVbeTileRows);
+  L.zero_col_tiles = sizes.zero_col_tiles;
+  L.zero_rows = sizes.zero_rows;
+  L.zero_tiles = sizes.zero_blocks;
+  const int64_t copy = L.plan.n_rows * ceil_div(batch, std::max<int64_t>(1, L.tile_rows));
+  L.zero_blocks =
+      copy == 0 ? L.zero_tiles : std::min(L.zero_tiles, std::max<int64_t>(1, copy / 32));
+  const int64_t blocks = L.zero_blocks + copy;
+  TORCH_CHECK(
+      blocks <= std::numeric_limits<int32_t>::max(), "kt_regroup: ", blocks,
+      " thread blocks are more than one CUDA launch takes");
+  if (blocks == 0) return;
+  switch (es) {
+    case 1:
+      return run(&vbe_copy_kernel<1>, blocks, L);
+    case 2:
+      return run(&vbe_copy_kernel<2>, blocks, L);
+    case 4:
+      return run(&vbe_copy_kernel<4>, blocks, L);
+    case 8:
+      return run(&vbe_copy_kernel<8>, blocks, L);
+    case 16:
+      return run(&vbe_copy_kernel<16>, blocks, L);
+    default:
+      TORCH_CHECK(false, "kt_regroup: no CUDA copy of ", es, "-byte elements");
+  }
 }
 
-// An input's samples by row, on the index's device, as vbe_backward_kernel reads them
-// (Samples::csr): a stable sort of the index and a search of each row's first sample;
-// ATen ops, no host sync.
-at::Tensor samples_by_row(const at::Tensor& index, int64_t rows) {
-  const auto [sorted, order] = at::sort(index.to(at::kLong), /*stable=*/true, 0, false);
-  return at::cat({at::searchsorted(sorted, at::arange(rows + 1, sorted.options())), order, sorted});
-}
+// Bytes of a row that one VBE backward block covers (with the samples it reads).
+constexpr int64_t kVbeColBytes = 1024;
 
 // The VBE backward's launches into `flat` (the input gradients of in_rows x in_lengths
 // side by side, as the op returns them; float dtypes, gradients of its dtype, at most
-// kMaxReads, some defined): run(kernel, blocks, L, grads, writes, samples) for each,
-// as backward_launches plans them over the largest input's rows.
-template <typename Run>
+// kMaxReads, some defined). upload(fields) as for the forward; run(kernel, blocks, args...)
+// per launch. Where some input has an index: the keys of its samples (vbe_keys_kernel),
+// one stable sort of them and a search of each key's first sample (ATen ops on the
+// device, no host sync); then vbe_backward_kernel. Four launches whatever the number of
+// inputs.
+template <typename Upload, typename Run>
 void vbe_backward_launches(
     const at::Tensor& plan,
     const TensorPtrs& grads,
@@ -1312,34 +1605,75 @@ void vbe_backward_launches(
     c10::IntArrayRef in_lengths,
     int64_t batch,
     const at::Tensor& flat,
+    Upload upload,
     Run run) {
-  std::vector<at::Tensor> views, csr;
-  int64_t offset = 0, max_rows = 0;
-  for (size_t i = 0; i < in_rows.size(); ++i) {
-    const int64_t n = in_rows[i] * in_lengths[i];
-    views.push_back(flat.narrow(0, offset, n).view({in_rows[i], in_lengths[i]}));
-    offset += n;
-    max_rows = std::max(max_rows, in_rows[i]);
-    const bool indexed = i < indices.size() && indices[i].has_value() && indices[i]->defined();
-    csr.push_back(indexed ? samples_by_row(*indices[i], in_rows[i]) : at::Tensor());
+  const int64_t n_in = static_cast<int64_t>(in_rows.size()), es = flat.element_size();
+  char* const data = static_cast<char*>(flat.mutable_data_ptr());
+  std::vector<int64_t> fields;
+  std::vector<VbeIndex> indexed;
+  int64_t offset = 0, blocks = 0, n_keys = 0;
+  for (int64_t i = 0; i < n_in; ++i) {
+    const int64_t rows = in_rows[i], width = in_lengths[i];
+    VbeGrad g{as_field(data + offset * es), width, rows, blocks, 1, 1, 1, -1, 0};
+    offset += rows * width;
+    if (has_index(indices, size_t(i))) {
+      const at::Tensor& idx = *indices[i];
+      g.key_base = n_keys;
+      g.slot_base = static_cast<int64_t>(indexed.size()) * batch;
+      indexed.push_back(VbeIndex{
+          as_field(idx.const_data_ptr()), idx.stride(0), idx.scalar_type() == at::kLong, rows,
+          n_keys, i});
+      n_keys += rows;
+    }
+    if (rows > 0 && width > 0) {
+      // Tiles of about kTileBytes of gradient read and written: a row reads its samples.
+      g.col_tile = std::min(width, std::max<int64_t>(32, kVbeColBytes / es));
+      g.col_tiles = ceil_div(width, g.col_tile);
+      const int64_t samples = g.key_base >= 0 ? ceil_div(batch, rows) : 1;
+      g.row_tile = std::clamp<int64_t>(kTileBytes / (g.col_tile * es * (1 + samples)), 1, rows);
+      blocks += ceil_div(rows, g.row_tile) * g.col_tiles;
+    }
+    append(fields, g);
   }
-  if (max_rows == 0) return;
-  TensorPtrs out_ptrs;
-  for (const at::Tensor& t : views) out_ptrs.push_back(&t);
-  backward_launches(
-      plan, grads, out_ptrs, max_rows, flat.element_size(),
-      [&](const Launch& L, const auto& g, const auto& w, int64_t blocks) {
-        Samples<kMaxTensors> samples{};
-        samples.batch = batch;
-        for (int32_t k = 0; k < w.count; ++k) {
-          const at::Tensor& c = csr[w.lo + k];
-          samples.csr[k] = c.defined() ? c.const_data_ptr<int64_t>() : nullptr;
-          samples.rows[k] = in_rows[w.lo + k];
-        }
-        AT_DISPATCH_FLOATING_TYPES_AND2(
-            at::kHalf, at::kBFloat16, flat.scalar_type(), "kt_regroup_vbe_backward",
-            [&] { run(&vbe_backward_kernel<scalar_t>, blocks, L, g, w, samples); });
-      });
+  TORCH_CHECK(
+      blocks <= std::numeric_limits<int32_t>::max(), "kt_regroup: ", blocks,
+      " thread blocks are more than one CUDA launch takes");
+  for (const VbeIndex& x : indexed) append(fields, x);
+  const at::Tensor on_device = upload(fields);
+  const int64_t* base = on_device.const_data_ptr<int64_t>();
+  VbeBackLaunch L{};
+  L.plan = device_plan(plan);
+  L.ins = reinterpret_cast<const VbeGrad*>(base);
+  L.n_ins = n_in;
+  at::Tensor starts, order;
+  const int64_t slots = static_cast<int64_t>(indexed.size()) * batch;
+  if (slots > 0) {
+    const bool wide = n_keys >= std::numeric_limits<int32_t>::max();
+    const auto options = flat.options().dtype(wide ? at::kLong : at::kInt);
+    const at::Tensor keys = at::empty({slots}, options), bounds = at::empty({n_keys + 1}, options);
+    VbeKeys K{
+        reinterpret_cast<const VbeIndex*>(base + n_in * int64_t(sizeof(VbeGrad) / sizeof(int64_t))),
+        static_cast<int64_t>(indexed.size()),
+        batch,
+        n_keys,
+        keys.mutable_data_ptr(),
+        bounds.mutable_data_ptr()};
+    const int64_t key_blocks = ceil_div(std::max(slots, n_keys + 1), kThreads);
+    TORCH_CHECK(
+        key_blocks <= std::numeric_limits<int32_t>::max(), "kt_regroup: ", key_blocks,
+        " thread blocks are more than one CUDA launch takes");
+    run(wide ? &vbe_keys_kernel<int64_t> : &vbe_keys_kernel<int32_t>, key_blocks, K);
+    at::Tensor sorted;
+    std::tie(sorted, order) = at::sort(keys, /*stable=*/true, 0, /*descending=*/false);
+    starts = at::searchsorted(sorted, bounds);
+    L.starts = starts.const_data_ptr<int64_t>();
+    L.order = order.const_data_ptr<int64_t>();
+  }
+  if (blocks == 0) return;
+  const auto g = table<kMaxReads>(grads, 0, grads.size());
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, flat.scalar_type(), "kt_regroup_vbe_backward",
+      [&] { run(&vbe_backward_kernel<scalar_t>, blocks, L, g); });
 }
 
 }  // namespace

@@ -9,10 +9,13 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -195,6 +198,25 @@ void launch(Kernel kernel, int64_t blocks, const Args&... args) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Their table of tensors on `device`: staged in pinned memory and copied on the current
+// stream without a sync (the caching host allocator keeps the staging block until the
+// copy is done). Under CUDA graph capture the staging block is kept for good: each
+// replay copies from it again.
+at::Tensor upload(const std::vector<int64_t>& fields, c10::Device device) {
+  const int64_t n = static_cast<int64_t>(fields.size());
+  at::Tensor host = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(host.mutable_data_ptr<int64_t>(), fields.data(), n * sizeof(int64_t));
+  at::Tensor table = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(device));
+  table.copy_(host, /*non_blocking=*/true);
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    static std::mutex mutex;
+    static std::vector<at::Tensor> captured;
+    const std::lock_guard<std::mutex> lock(mutex);
+    captured.push_back(host);
+  }
+  return table;
+}
+
 std::vector<at::Tensor> permute_multi_embedding_vbe_cuda(
     at::TensorList pooled_embs,
     const c10::List<std::optional<at::Tensor>>& indices,
@@ -221,6 +243,7 @@ std::vector<at::Tensor> permute_multi_embedding_vbe_cuda(
   const std::vector<std::optional<at::Tensor>> index(indices.begin(), indices.end());
   vbe_forward_launches(
       plan_on(permutes, first.device()), inputs, index, outs, batch,
+      [&](const std::vector<int64_t>& fields) { return upload(fields, first.device()); },
       [](auto kernel, int64_t blocks, const auto&... args) { launch(kernel, blocks, args...); });
   return outs;
 }
@@ -259,6 +282,7 @@ at::Tensor permute_multi_embedding_vbe_backward_cuda(
   const std::vector<std::optional<at::Tensor>> index(indices.begin(), indices.end());
   vbe_backward_launches(
       plan_on(permutes, device), grads, index, in_rows, in_lengths, batch, flat,
+      [&](const std::vector<int64_t>& fields) { return upload(fields, device); },
       [](auto kernel, int64_t blocks, const auto&... args) { launch(kernel, blocks, args...); });
   return flat;
 }
