@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for kt_regroup (issues 11, 17, 21, 23): one command on the lent GPU machine as it is
+# GPU check for kt_regroup: one command on the lent GPU machine as it is
 # (no network; its python3 with torch 2.11.0+cu130, nvcc 13.0), in under 8 minutes
 # including the build. The steps, in this order; none of them can stop the report:
 #   install      with --offline: the wheels of .whl/ (scripts/gpu_wheels.sh, on a machine
@@ -10,10 +10,14 @@
 #                the CUDA kernels and says why); if that build fails, a CPU-only build
 #                (KT_REGROUP_CUDA=0), and the report says so;
 #   library      kt_regroup loads, whether it has CUDA kernels, one op call on the device;
+#   smoke        the kernel checks of tests/test_cuda_kernel.py on the device against the
+#                CPU op (at most 60 s), then compute-sanitizer memcheck and racecheck on
+#                its reference checks where the toolkit has compute-sanitizer;
 #   training_step  forward + backward + SGD through KTRegroupAsDict, captured in a CUDA
 #                graph with sync debug mode "error", replay == eager;
-#   bench        benchmarks/regroup.py's op section, every cell (seed and scattered
-#                layouts, float32 and bfloat16): wall time and CUDA-event device time per
+#   bench        benchmarks/regroup.py's op section, every cell (the seed layout in
+#                float32 and bfloat16 first, then scattered), each cell's tables in the
+#                report as soon as it ends: wall time and CUDA-event device time per
 #                call; then the goals of issues 21 and 23 (the variable-batch op's modes,
 #                a few seconds of each cell's 150 s) read from its records;
 #   tests        with the time left: every test with "cuda" in its name (the convention:
@@ -31,19 +35,20 @@
 #              (tests/test_gpu_check.py); no build unless --build (setuptools rebuilds
 #              every source: minutes on 2 cores); the wheels are installed where they fit
 #              this python, else only resolved for CPython 3.12.
-#   --only     of build,training_step,bench,tests (the default: all) the ones to run;
+#   --only     of build,smoke,training_step,bench,tests (the default: all) the ones to run;
 #              install, environment and library always run.
 # Environment: PYTHON (default python3), OUT (default gpu_check_results; the device tool
 #   sets it), KT_GPU_CHECK_BUDGET_S (default 450: every step shares it), MAX_JOBS,
 #   KT_GPU_CHECK_BUILD_S (the build's limit, default 300), KT_GPU_CHECK_TESTS_S (the
 #   tests' limit, default: the time left), KT_GPU_CHECK_TEST_TIMEOUT_S (per test, default
-#   120), KT_GPU_CHECK_TESTS (pytest's paths, default tests), KT_GPU_WHEELS (the wheels'
+#   120), KT_GPU_CHECK_TESTS (pytest's paths, default tests), KT_GPU_CHECK_SMOKE_K and
+#   KT_GPU_CHECK_SANITIZE_K (the smoke's and the sanitizers' -k), KT_GPU_WHEELS (the wheels'
 #   folder, default .whl), KT_GPU_CHECK_NO_TORCHREC=1 (act as if torchrec did not import).
 # $OUT gets 4 files: gpu_check.md (the report: paste it), gpu_check.log (every step's
 # output), bench.json (every bench record) and bench.md (the bench's tables).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DRY=0 OFFLINE=0 BUILD=1 ONLY=build,training_step,bench,tests
+DRY=0 OFFLINE=0 BUILD=1 ONLY=build,smoke,training_step,bench,tests
 while [ $# -gt 0 ]; do
   case $1 in
     --dry-run) DRY=1 BUILD=${BUILD_ASKED:-0} ;;
@@ -51,7 +56,7 @@ while [ $# -gt 0 ]; do
     --offline) OFFLINE=1 ;;
     --only) ONLY=$2; shift ;;
     --out) OUT=$2; shift ;;
-    -h | --help) sed -n '2,42p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,48p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -275,6 +280,34 @@ needs_library() {  # NAME: whether kt_regroup loads; else the step is reported S
   return 1
 }
 
+# --- smoke: the kernel checks the emulation runs, on the device against the CPU op ---------
+# tests/test_cuda_kernel.py's checks of the `kernel` fixture (not its test_cuda_* ones): on
+# a GPU the compiled kernels, elsewhere the emulation. Then compute-sanitizer's memcheck
+# and racecheck (shared memory) on the reference checks, where the toolkit has it.
+SANITIZER=$(command -v compute-sanitizer \
+  || ls "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/compute-sanitizer" \
+     /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -n 1)
+kernel_checks() {  # -k EXPRESSION -> CHECKS (an array)
+  CHECKS=("$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_cuda_kernel.py -k "$1")
+}
+if ! wanted smoke; then
+  say "- smoke: not asked (--only $ONLY)"
+elif needs_library smoke; then
+  kernel_checks "${KT_GPU_CHECK_SMOKE_K:-not test_cuda_}"
+  step smoke "$([ "$DRY" = 1 ] && echo 240 || echo 60)" "${CHECKS[@]}"
+  kernel_checks "${KT_GPU_CHECK_SANITIZE_K:-forward_equals_reference or backward_equals_reference or vbe_forward_equals or vbe_backward_equals}"
+  for tool in memcheck racecheck; do
+    if [ "$DRY" = 1 ]; then
+      say "- $tool: skipped (dry run: no GPU)"
+    elif [ -z "$SANITIZER" ]; then
+      say "- $tool: skipped (no compute-sanitizer next to nvcc or on PATH)"
+    else  # the caching allocator off, so memcheck sees each allocation's bounds
+      step "$tool" 90 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool "$tool" \
+        --error-exitcode 99 --target-processes all "${CHECKS[@]}" -x
+    fi
+  done
+fi
+
 # --- one training step: no host sync, captured in a CUDA graph, replayed ---------------------
 if ! wanted training_step; then
   say "- training_step: not asked (--only $ONLY)"
@@ -381,16 +414,22 @@ bench_command() {  # LAYOUT DTYPE OUTPUT_DIR -> BENCH (an array)
   BENCH=("$PY" -m benchmarks.regroup --section ops "${args[@]}" --ops-layout "$1"
          --ops-dtype "$2" --output "$3")
 }
-BENCH_CELLS="seed:float32 scattered:float32 seed:bfloat16 scattered:bfloat16"
+# the seed layout first (fp32, then bf16); each cell also runs the VBE modes
+BENCH_CELLS="seed:float32 seed:bfloat16 scattered:bfloat16 scattered:float32"
 [ "$DRY" = 1 ] && BENCH_CELLS="seed:float32 scattered:bfloat16"
 if ! wanted bench; then
   say "- bench: not asked (--only $ONLY)"
 elif ! needs_library bench; then
   :
 elif [ "$TORCHREC" = 1 ]; then
-  for cell in $BENCH_CELLS; do
+  for cell in $BENCH_CELLS; do  # each cell's tables in the report as soon as it ends
     bench_command "${cell%:*}" "${cell#*:}" "$WORK/bench_${cell/:/_}"
     step "bench_${cell/:/_}" 150 "${BENCH[@]}"
+    md="$WORK/bench_${cell/:/_}/results.md"
+    if [ -f "$md" ]; then
+      cat "$md" >>"$OUT/bench.md"
+      { echo; echo "## Benchmark, ${cell%:*} layout, ${cell#*:}"; echo; cat "$md"; } >>"$REPORT"
+    fi
   done
   "$PY" - "$OUT/bench.json" "$WORK"/bench_*/results.json <<'EOF2'
 import json, sys
@@ -399,13 +438,6 @@ for path in sys.argv[2:]:
     records += json.load(open(path))["sections"]["ops"]["records"]
 json.dump({"records": records}, open(sys.argv[1], "w"), indent=1)
 EOF2
-  for cell in $BENCH_CELLS; do
-    md="$WORK/bench_${cell/:/_}/results.md"
-    if [ -f "$md" ]; then
-      cat "$md" >>"$OUT/bench.md"
-      { echo; echo "## Benchmark, ${cell%:*} layout, ${cell#*:}"; echo; cat "$md"; } >>"$REPORT"
-    fi
-  done
 else  # op level: kt_regroup's op against copy_ of the same bytes, the bench's timers
   step bench_op_level 150 "$PY" - "$OUT/bench.json" <<'EOF'
 import json, os, sys
@@ -422,38 +454,54 @@ for layout in ("seed", "scattered"):
         for dup in (False, True):
             keys, lengths, groups = make_layout(**sizes, scattered=layout == "scattered",
                                                 duplicates=dup)
-            emb = [torch.randn(B, sum(w)).to(dev, getattr(torch, dtype)) for w in lengths]
+            emb = [torch.randn(B, sum(w)).to(dev, getattr(torch, dtype)).requires_grad_()
+                   for w in lengths]
             plan = kt_regroup.get_plan(keys, lengths, groups)
             meta, out_lengths = plan.tensors(dev), list(plan.out_lengths)
             col = {k: (i, sum(lengths[i][:keys[i].index(k)]), lengths[i][keys[i].index(k)])
                    for i in range(2) for k in keys[i]}
             want = [torch.cat([emb[col[k][0]][:, col[k][1]:col[k][1] + col[k][2]] for k in g],
                               1) for g in groups]
-            dst = [torch.empty_like(w) for w in want]
-            fns = {"kt_regroup.permute_multi_embedding":
-                   lambda: kt_regroup.permute_multi_embedding(emb, *meta, out_lengths),
-                   "limit: copy_": lambda: [d.copy_(w) for d, w in zip(dst, want)]}
-            for got, exp in zip(fns["kt_regroup.permute_multi_embedding"](), want):
+            grads = [torch.randn_like(w) for w in want]
+            want_grads = torch.autograd.grad(want, emb, grads)
+            want = [w.detach() for w in want]
+            op = lambda xs: kt_regroup.permute_multi_embedding(xs, *meta, out_lengths)
+            plain = [e.detach() for e in emb]  # the forward alone records no graph
+            dst, grad_dst = [torch.empty_like(w) for w in want], [torch.empty_like(e) for e in emb]
+            # forward+backward: the forward's copy, then one of the input gradients' bytes
+            modes = {"forward": (lambda: op(plain), lambda: [d.copy_(w) for d, w in zip(dst, want)]),
+                     "forward+backward": (
+                         lambda: torch.autograd.grad(op(emb), emb, grads),
+                         lambda: ([d.copy_(w) for d, w in zip(dst, want)],
+                                  [g.copy_(e) for g, e in zip(grad_dst, want_grads)]))}
+            for got, exp in zip(op(plain), want):
                 assert torch.equal(got, exp), "kt_regroup's op disagrees with torch.cat"
-            wall = interleaved(fns, rounds)
-            eager, graph, errors = (device_interleaved(fns, rounds, batch=10) if cuda
-                                    else ({}, {}, {}))
-            med = {n: (median(wall[n]), median(eager.get(n, [])), median(graph.get(n, [])))
-                   for n in fns}
-            ratio = lambda i: (med["kt_regroup.permute_multi_embedding"][i] / med["limit: copy_"][i]
-                               if med["limit: copy_"][i] else None)
-            for n in fns:
-                records.append(dict(
-                    mode="forward", layout=layout, dtype=dtype, duplicates=dup, batch_size=B,
-                    device=str(dev), provider=n, n=len(wall[n]), check="ok", p50_s=med[n][0],
-                    device_batch=10 if cuda else None, device_p50_s=med[n][1],
-                    graph_p50_s=med[n][2], graph_error=errors.get(n),
-                    vs_copy=ratio(0), vs_copy_device=ratio(1), vs_copy_graph=ratio(2)))
-            print(f"{layout} {dtype} dup={dup}: op / copy_ wall {ratio(0):.2f}, device "
-                  f"{ratio(1) or float('nan'):.2f}, graph {ratio(2) or float('nan'):.2f}")
+            for got, exp in zip(modes["forward+backward"][0](), want_grads):
+                torch.testing.assert_close(got, exp, msg="kt_regroup's backward disagrees")
+            for mode, (fn, limit) in modes.items():
+                fns = {"kt_regroup.permute_multi_embedding": fn, "limit: copy_": limit}
+                wall = interleaved(fns, rounds)
+                eager, graph, errors = (device_interleaved(fns, rounds, batch=10) if cuda
+                                        else ({}, {}, {}))
+                med = {n: (median(wall[n]), median(eager.get(n, [])), median(graph.get(n, [])))
+                       for n in fns}
+                ratio = lambda i: (med["kt_regroup.permute_multi_embedding"][i]
+                                   / med["limit: copy_"][i] if med["limit: copy_"][i] else None)
+                for n in fns:
+                    records.append(dict(
+                        mode=mode, layout=layout, dtype=dtype, duplicates=dup, batch_size=B,
+                        device=str(dev), provider=n, n=len(wall[n]), check="ok",
+                        p50_s=med[n][0], device_batch=10 if cuda else None,
+                        device_p50_s=med[n][1], graph_p50_s=med[n][2],
+                        graph_error=errors.get(n), vs_copy=ratio(0), vs_copy_device=ratio(1),
+                        vs_copy_graph=ratio(2)))
+                print(f"{layout} {dtype} dup={dup} {mode}: op / copy_ wall {ratio(0):.2f}, "
+                      f"device {ratio(1) or float('nan'):.2f}, graph "
+                      f"{ratio(2) or float('nan'):.2f}")
 json.dump({"records": records, "level": "op (torchrec missing)"}, open(sys.argv[1], "w"),
           indent=1)
-print(f"op-level bench: {len(records) // 2} cells (forward only; torchrec's providers SKIPPED)")
+print(f"op-level bench: {len(records) // 2} cells (forward and forward+backward; torchrec's "
+      "providers SKIPPED)")
 EOF
 fi
 

@@ -54,21 +54,28 @@ def _assert_out_comes_back(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    # Its tests step on one file's worth of *cuda* tests: the suite runs the rest itself.
+    # Its smoke and tests steps on one cell of the kernel checks: the suite runs the rest.
     out = tmp_path_factory.mktemp("gpu_check")
-    return out, _run(out, KT_GPU_CHECK_TESTS="tests/test_cuda_kernel.py::test_forward_equals_reference")
+    return out, _run(out, KT_GPU_CHECK_SMOKE_K="forward_equals_reference",
+                     KT_GPU_CHECK_TESTS="tests/test_cuda_kernel.py::test_forward_equals_reference")
 
 
 def test_dry_run_passes_every_step_and_reports_every_version(dry_run):
     out, report = dry_run
-    _assert_steps_ok(report, ("environment", "library", "training_step", "bench_seed_float32",
-                              "bench_scattered_bfloat16", "tests"))
+    _assert_steps_ok(report, ("environment", "library", "smoke", "training_step",
+                              "bench_seed_float32", "bench_scattered_bfloat16", "tests"))
     assert "FAILED" not in report and "all steps passed" in report
-    # the order of issue 21: environment, build, the step, the bench, the tests last
-    order = [report.index(f"- {s}:") for s in ("environment", "build", "library",
-                                                "training_step", "bench_seed_float32",
-                                                "tests")]
+    # the order of issue 36: the kernel checks and the sanitizers first, the seed layout's
+    # cells (each one's tables as it ends), the rest, the tests last
+    steps = ("environment", "build", "library", "smoke", "memcheck", "racecheck",
+             "training_step", "bench_seed_float32", "bench_scattered_bfloat16", "tests")
+    order = [report.index(f"- {s}:") for s in steps]
     assert order == sorted(order), report
+    assert report.index("## Benchmark, seed layout, float32") < report.index(
+        "- bench_scattered_bfloat16:"), report
+    assert "- memcheck: skipped (dry run: no GPU)" in report
+    assert re.search(r"^    1 passed, \d+ skipped, \d+ deselected in ", report.split("- smoke:")[1],
+                     re.M), report
     if list((ROOT / ".whl").glob("*.whl")):
         _assert_steps_ok(report, ("install",))
         assert re.search(r"^- install: \d+ wheels: .*torchrec-.*fbgemm", report, re.M) or \
@@ -137,8 +144,10 @@ def test_without_torchrec_the_training_step_and_bench_run_at_op_level(tmp_path):
         (la, d, dup) for la in ("seed", "scattered") for d in ("float32", "bfloat16")
         for dup in (False, True)}
     assert all(r["p50_s"] > 0 and r["device_p50_s"] is None for r in records)
-    assert len(re.findall(r"^\| (seed|scattered) \| (float32|bfloat16) \| forward \| "
-                          r"(True|False) \| \d+\.\d\d \| n/a \|", report, re.M)) == 8, report
+    assert {r["mode"] for r in records} == {"forward", "forward+backward"}
+    for mode in ("forward", "forward\\+backward"):
+        assert len(re.findall(rf"^\| (seed|scattered) \| (float32|bfloat16) \| {mode} \| "
+                              r"(True|False) \| \d+\.\d\d \| n/a \|", report, re.M)) == 8, report
     _assert_out_comes_back(tmp_path)
 
 
