@@ -23,6 +23,7 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional
 import torch
 
 from benchmarks.harness import (
+    NARROW,
     QUICK,
     SEED,
     device_interleaved,
@@ -103,6 +104,8 @@ def run(*, quick: bool, full: bool = False, seed: int = 0, device: str = "cpu",
     has its row in the step table); ``full`` and ``quick``: every mode and row, with and
     without duplicate keys, 7 rounds, then the variable-batch op's ``VBE_MODES``."""
     sizes, batch, rounds = (QUICK, 64, 2) if quick else (SEED, 1024, 7 if full else 5)
+    if layout == "narrow":  # many narrow keys at a small batch: bound by launches and plans
+        sizes, batch = NARROW, 32
     cuda = torch.device(device).type == "cuda"
     records, notes = [], {}
     every = quick or full
@@ -180,7 +183,7 @@ def _cells(sizes, batch, layout, seed, device, dtype, every) -> Iterator[Cell]:
     import kt_regroup
 
     for dup in (False, True) if every else (False,):
-        keys, lengths, groups = make_layout(**sizes, scattered=layout == "scattered",
+        keys, lengths, groups = make_layout(**sizes, scattered=layout != "seed",
                                             duplicates=dup, seed=seed)
         n_segments = segments(kt_regroup.get_plan(keys, lengths, groups))
         gen = torch.Generator().manual_seed(seed)
@@ -219,7 +222,7 @@ def _vbe_cells(sizes, batch, layout, seed, device, dtype) -> Iterator[Cell]:
 
     import kt_regroup
 
-    keys, lengths, groups = make_layout(**sizes, scattered=layout == "scattered",
+    keys, lengths, groups = make_layout(**sizes, scattered=layout != "seed",
                                         duplicates=False, seed=seed)
     keys, lengths = [keys[0]] + [[k] for k in keys[1]], [lengths[0]] + [[w] for w in lengths[1]]
     unique = min(VBE_UNIQUE, batch)

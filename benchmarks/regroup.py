@@ -80,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the C++ predictor (OMP_NUM_THREADS) included (default: torch's)")
     p.add_argument("--device", default="cpu", help="device of the ops section (cuda: the "
                    "op table on a GPU; the other sections run on CPU)")
-    p.add_argument("--ops-layout", choices=["scattered", "seed"], default="scattered",
-                   help="layout of the ops section (default scattered)")
+    p.add_argument("--ops-layout", choices=["scattered", "seed", "narrow"], default="scattered",
+                   help="layout of the ops section: the seed's keys in input order or "
+                   "scattered, or narrow (100 keys of 8-16 columns at batch 32) "
+                   "(default scattered)")
     p.add_argument("--ops-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the ops section's inputs (default float32)")
     s = p.add_argument_group("step section")

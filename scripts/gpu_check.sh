@@ -16,7 +16,7 @@
 #   training_step  forward + backward + SGD through KTRegroupAsDict, captured in a CUDA
 #                graph with sync debug mode "error", replay == eager;
 #   bench        benchmarks/regroup.py's op section, every cell (the seed layout in
-#                float32 and bfloat16 first, then scattered), each cell's tables in the
+#                float32 and bfloat16 first, narrow bfloat16, then scattered), each cell's tables in the
 #                report as soon as it ends: wall time and CUDA-event device time per
 #                call; then the goals of issues 21 and 23 (the variable-batch op's modes,
 #                a few seconds of each cell's 150 s) read from its records;
@@ -302,7 +302,7 @@ elif needs_library smoke; then
     elif [ -z "$SANITIZER" ]; then
       say "- $tool: skipped (no compute-sanitizer next to nvcc or on PATH)"
     else  # the caching allocator off, so memcheck sees each allocation's bounds
-      step "$tool" 90 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool "$tool" \
+      step "$tool" 45 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool "$tool" \
         --error-exitcode 99 --target-processes all "${CHECKS[@]}" -x
     fi
   done
@@ -414,8 +414,8 @@ bench_command() {  # LAYOUT DTYPE OUTPUT_DIR -> BENCH (an array)
   BENCH=("$PY" -m benchmarks.regroup --section ops "${args[@]}" --ops-layout "$1"
          --ops-dtype "$2" --output "$3")
 }
-# the seed layout first (fp32, then bf16); each cell also runs the VBE modes
-BENCH_CELLS="seed:float32 seed:bfloat16 scattered:bfloat16 scattered:float32"
+# the seed layout first (fp32, then bf16), narrow bf16; each cell also runs the VBE modes
+BENCH_CELLS="seed:float32 seed:bfloat16 narrow:bfloat16 scattered:bfloat16 scattered:float32"
 [ "$DRY" = 1 ] && BENCH_CELLS="seed:float32 scattered:bfloat16"
 if ! wanted bench; then
   say "- bench: not asked (--only $ONLY)"
