@@ -231,7 +231,7 @@ std::vector<at::Tensor> gradient_views(
   int64_t offset = 0;
   for (size_t i = 0; i < in_rows.size(); ++i) {
     const int64_t n = in_rows[i] * in_lengths[i];
-    out.push_back(buffer->narrow(0, offset, n).view({in_rows[i], in_lengths[i]}));
+    out.push_back(buffer->as_strided({in_rows[i], in_lengths[i]}, {in_lengths[i], 1}, offset));
     offset += n;
   }
   return out;
@@ -802,12 +802,11 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
     const at::Tensor flat = call_vbe_backward(
         grads, indices, saved.at("permutes").toTensor(), saved.at("in_shapes").toTensor(),
         saved.at("out_shapes").toTensor(), widths, rows, saved.at("dtype").toScalarType());
-    variable_list out;  // per-input views of the one flat gradient
-    c10::SymInt offset = 0;
+    variable_list out;  // per-input views of the one flat gradient, one op each
+    c10::SymInt offset = flat.sym_storage_offset();
     for (size_t i = 0; i < rows.size(); ++i) {
-      const c10::SymInt n = rows[i] * widths[i];
-      out.push_back(flat.narrow_symint(0, offset, n).view_symint({rows[i], widths[i]}));
-      offset = offset + n;
+      out.push_back(flat.as_strided_symint({rows[i], widths[i]}, {widths[i], 1}, offset));
+      offset = offset + rows[i] * widths[i];
     }
     out.resize(out.size() + 5);  // indices, permutes, in_shapes, out_shapes, out_lengths
     return out;
