@@ -38,11 +38,14 @@
 // 16-byte aligned, else element by element; int64 indexing throughout.
 //
 // *Columns no row writes* (gaps in an output, gradients of unused keys) are exact zeros,
-// written once: a zero block takes a tile of columns (the written tensors side by side)
-// and a range of batch rows, marks in shared memory the columns some row writes (every
-// block scans the plan; it is small and cached) and stores zeros in the others. Copy
-// blocks and zero blocks write disjoint columns, so one launch does both; nothing is
-// zero-filled and then overwritten.
+// written once: a zero tile is a tile of columns (the written tensors side by side) and
+// a range of batch rows; its block marks in shared memory the columns some row writes
+// (scanning the plan; it is small and cached) and stores zeros in the others. The host
+// does not read the plan, so it cannot tell which tiles hold gaps: there is one zero
+// block per 32 copy blocks at most, each taking every zero_blocks-th tile, so that where
+// the plan leaves no gap (as a rule) few blocks are idle. Copy blocks and zero blocks
+// write disjoint columns, so one launch does both; nothing is zero-filled and then
+// overwritten.
 //
 // *Duplicates* (the backward) are found in the plan, as the CPU kernel finds them:
 // column 5 (torchrec's `next` chain) is never read, so a hand-made plan, or one whose
@@ -148,7 +151,7 @@ constexpr int kMaxTensors =
 constexpr int kMaxReads = 64;  // gradient outputs one backward launch reads (all of them)
 constexpr int64_t kTileBytes = 32 * 1024;  // bytes a copy block moves (about)
 constexpr int kZeroCols = 2048;            // columns per zero block
-constexpr int64_t kMaxZeroBlocks = 512;    // each scans the whole plan
+constexpr int64_t kMaxZeroTiles = 512;     // each scans the whole plan
 
 // Element dtypes of the fused cast.
 enum DtypeCode : int8_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kOther = 4 };
@@ -225,9 +228,10 @@ struct Launch {
   int64_t batch;
   int64_t n_reads_total;  // forward: rows reading a tensor outside [0, this) are no-ops
   int64_t tile_rows;      // batch rows per copy block
-  int64_t zero_blocks;    // the first blocks of the grid
-  int64_t zero_col_tiles;
-  int64_t zero_rows;   // batch rows per zero block
+  int64_t zero_blocks;    // the first blocks of the grid, each taking every zero_blocks-th tile
+  int64_t zero_tiles;     // zero_col_tiles x chunks of zero_rows batch rows
+  int64_t zero_col_tiles; // of kZeroCols columns of the written tensors side by side
+  int64_t zero_rows;      // batch rows per zero tile
   int64_t total_cols;  // columns of this launch's written tensors, side by side
 };
 
@@ -345,24 +349,16 @@ struct Bytes<16> {
   using type = Pair64;
 };
 
-// Fills the columns of this launch's written tensors that no row writes with zeros
-// (all-zero bytes: +0.0, 0, false), for the block's tile of columns and batch rows.
-// `rows`: each written tensor's row count where they differ (the VBE backward), else
-// nullptr (L.batch).
+// Fills the columns of zero tile z (of this launch's written tensors side by side) that
+// no row writes with zeros (all-zero bytes: +0.0, 0, false), for the tile's batch rows.
+// `first`: the first flat column of each written tensor.
 template <bool kBackward, int ES, int NW>
-__device__ void zero_block(
-    const Launch& L, const Tensors<NW>& w, int64_t blk, const int64_t* rows = nullptr) {
+__device__ void zero_tile(const Launch& L, const Tensors<NW>& w, const int64_t* first, int64_t z) {
   using E = typename Bytes<ES>::type;
   __shared__ bool covered[kZeroCols];
-  __shared__ int64_t first[NW + 1];  // first flat column of each written tensor
-  const int64_t tile = blk % L.zero_col_tiles;
-  const int64_t c0 = tile * kZeroCols;
+  const int64_t c0 = (z % L.zero_col_tiles) * kZeroCols;
   const int64_t n_cols = imin(kZeroCols, L.total_cols - c0);
   for (int k = threadIdx.x; k < kZeroCols; k += kThreads) covered[k] = false;
-  if (threadIdx.x == 0) {
-    first[0] = 0;
-    for (int k = 0; k < w.count; ++k) first[k + 1] = first[k] + w.width[k];
-  }
   __syncthreads();
   for (int64_t r = threadIdx.x; r < L.plan.n_rows; r += kThreads) {
     const Row row = load_row<kBackward>(L.plan, r);
@@ -378,7 +374,7 @@ __device__ void zero_block(
   bool gap = false;
   for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) gap |= !covered[k];
   if (!__syncthreads_or(gap)) return;
-  const int64_t b0 = (blk / L.zero_col_tiles) * L.zero_rows;
+  const int64_t b0 = (z / L.zero_col_tiles) * L.zero_rows;
   const int64_t b1 = imin(L.batch, b0 + L.zero_rows);
   tile_begins();
   for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) {
@@ -388,8 +384,23 @@ __device__ void zero_block(
     int t = 0;
     while (t + 1 < w.count && c >= first[t + 1]) ++t;
     E* dst = reinterpret_cast<E*>(const_cast<char*>(w.ptr[t])) + (c - first[t]);
-    const int64_t rs = w.row_stride[t], end = rows ? imin(b1, rows[t]) : b1;
-    for (int64_t b = b0; b < end; ++b) st<__LINE__>(dst + b * rs, E{});
+    const int64_t rs = w.row_stride[t];
+    for (int64_t b = b0; b < b1; ++b) st<__LINE__>(dst + b * rs, E{});
+  }
+}
+
+// Zero block blk: zero tiles blk, blk + zero_blocks, ... (few blocks, so that where the
+// plan leaves no gap, as a rule, few blocks are idle).
+template <bool kBackward, int ES, int NW>
+__device__ void zero_block(const Launch& L, const Tensors<NW>& w, int64_t blk) {
+  __shared__ int64_t first[NW + 1];
+  if (threadIdx.x == 0) {
+    first[0] = 0;
+    for (int k = 0; k < w.count; ++k) first[k + 1] = first[k] + w.width[k];
+  }
+  for (int64_t z = blk; z < L.zero_tiles; z += L.zero_blocks) {
+    __syncthreads();  // first[] written; covered[] read by the previous tile
+    zero_tile<kBackward, ES>(L, w, first, z);
   }
 }
 
@@ -1344,9 +1355,15 @@ Launch plan_launch(
   if (zero_fill && total_cols > 0) {
     L.zero_col_tiles = ceil_div(total_cols, kZeroCols);
     const int64_t chunks =
-        std::clamp<int64_t>(kMaxZeroBlocks / L.zero_col_tiles, 1, ceil_div(batch, 32));
+        std::clamp<int64_t>(kMaxZeroTiles / L.zero_col_tiles, 1, ceil_div(batch, 32));
     L.zero_rows = ceil_div(batch, chunks);
-    L.zero_blocks = L.zero_col_tiles * ceil_div(batch, L.zero_rows);
+    L.zero_tiles = L.zero_col_tiles * ceil_div(batch, L.zero_rows);
+    // The host cannot see where the plan (on the device) leaves gaps: one zero block per
+    // 32 copy blocks at most, so that, gaps or none, at most about 3% of blocks are idle.
+    // Without copy blocks, one per tile.
+    const int64_t copy = L.plan.n_rows * ceil_div(batch, std::max<int64_t>(1, L.tile_rows));
+    L.zero_blocks =
+        copy == 0 ? L.zero_tiles : std::min(L.zero_tiles, std::max<int64_t>(1, copy / 32));
   }
   return L;
 }
@@ -1561,7 +1578,7 @@ void vbe_forward_launches(
   L.tile_rows = std::min(sizes.tile_rows, kVbeTileRows);
   L.zero_col_tiles = sizes.zero_col_tiles;
   L.zero_rows = sizes.zero_rows;
-  L.zero_tiles = sizes.zero_blocks;
+  L.zero_tiles = sizes.zero_tiles;
   const int64_t copy = L.plan.n_rows * ceil_div(batch, std::max<int64_t>(1, L.tile_rows));
   L.zero_blocks =
       copy == 0 ? L.zero_tiles : std::min(L.zero_tiles, std::max<int64_t>(1, copy / 32));
