@@ -228,13 +228,13 @@ struct Plan {
 struct Launch {
   Plan plan;
   int64_t batch;
-  int64_t n_reads_total;  // forward: rows reading a tensor outside [0, this) are no-ops
-  int64_t tile_rows;      // batch rows per copy block
+  int64_t n_reads_total;   // forward: rows reading a tensor outside [0, this) are no-ops
+  int64_t tile_rows;       // batch rows per copy block
   int64_t zero_blocks;     // the first blocks of the grid, each taking a run of zero tiles
   int64_t zero_tiles;      // zero_col_tiles x chunks of zero_rows batch rows
   int64_t zero_col_tiles;  // of zero_cols columns of the written tensors side by side
   int64_t zero_rows;       // batch rows per zero tile
-  int64_t total_cols;  // columns of this launch's written tensors, side by side
+  int64_t total_cols;      // columns of this launch's written tensors, side by side
 };
 
 struct Row {
@@ -1583,7 +1583,8 @@ void vbe_forward_launches(
   // Copy blocks as the forward's (plan_launch); zero tiles as its zero blocks, taken by
   // one zero block per 32 copy blocks at most: where the plan leaves no gap (as a rule)
   // they write nothing. Without copy blocks, one zero block per tile.
-  const Launch sizes = plan_launch(plan, batch, L.n_ins, total_cols, es, /*zero_fill=*/true, kZeroCols);
+  const Launch sizes =
+      plan_launch(plan, batch, L.n_ins, total_cols, es, /*zero_fill=*/true, kZeroCols);
   L.tile_rows = std::min(sizes.tile_rows, kVbeTileRows);
   L.zero_col_tiles = sizes.zero_col_tiles;
   L.zero_rows = sizes.zero_rows;
