@@ -114,11 +114,12 @@ def test_idle_blocks_with_gaps_in_one_output(op):
     p = p[[r for r in range(p.size(0)) if not (p[r, 1] == 1 and r % 5 == 0)]].contiguous()
     widths, batch = [sum(w) for w in lengths], 8
     xs = [torch.randn(batch, w) for w in widths]
+    grads = [torch.randn(batch, w) for w in n]
+    outs = [torch.empty(batch, w) for w in n]
     call = {
         "forward": lambda: ext.forward(xs, p, list(n), None),
-        "backward": lambda: ext.backward([torch.randn(batch, w) for w in n], p, widths, batch,
-                                         torch.float32),  # fmt: skip
-        "_into": lambda: ext.into(xs, p, [torch.empty(batch, w) for w in n]),
+        "backward": lambda: ext.backward(grads, p, widths, batch, torch.float32),
+        "_into": lambda: ext.into(xs, p, outs),
     }[op]
     r = cuda_model._traced(ext, call)
     assert r["launches"] == 1, r
