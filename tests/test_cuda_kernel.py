@@ -354,6 +354,38 @@ def test_into_writes_every_column_of_the_outputs_and_nothing_else(kernel):
         assert (b[:, :3] == -7).all() and (b[:, -4:] == -7).all()
 
 
+@pytest.mark.parametrize("n_narrow", [(150, 120), (20, 15)], ids=["many", "few"])
+def test_gaps_in_some_outputs_and_one_very_wide_key(kernel, n_narrow):
+    """One very wide key among narrow ones, a plan with gaps in one output only (rows
+    dropped) and unused keys (input-gradient columns no row writes); with few narrow keys,
+    more zero tiles than zero blocks, each block taking a run of them. Every column no row
+    writes is zero, in the forward, _into (NaN before) and the backward."""
+    na, nb = n_narrow
+    narrow = [[f"a{t}" for t in range(na)], [f"b{t}" for t in range(nb)]]
+    keys = [["wide"] + narrow[0], narrow[1] + ["unused0", "unused1"]]
+    lengths = [[80_000] + [1 + t % 4 for t in range(na)], [2 + t % 3 for t in range(nb)] + [5, 3]]
+    groups = [["wide"] + narrow[0][::2] + narrow[1][::2], narrow[0][1::2] + narrow[1][1::2],
+              narrow[1][::3] + narrow[0][::5]]  # fmt: skip
+    p, i, o, n = _plan((keys, lengths, groups), torch.int64)
+    # Drop every fourth row of output 1: gaps there only.
+    keep = [r for r in range(p.size(0)) if not (p[r, 1] == 1 and r % 4 == 0)]
+    p = p[keep].contiguous()
+    assert (p[:, 1] == 1).sum() < sum(1 for _ in groups[1])
+    batch = 40
+    xs = [_values(batch, sum(w), torch.float32, seed=k) for k, w in enumerate(lengths)]
+    want = permute_multi_embedding_reference(xs, p, i, o, n)
+    _assert_equal(kernel.forward(xs, p, i, o, n), want)
+    outs = [torch.full((batch, w), float("nan")) for w in n]
+    kernel.into(xs, p, i, o, outs)
+    _assert_equal(outs, want)
+    in_lengths = [sum(w) for w in lengths]
+    for dtype in (torch.float32, torch.bfloat16):
+        grads = [_values(batch, w, dtype, seed=10 + j) for j, w in enumerate(n)]
+        got = kernel.backward(grads, p, i, o, in_lengths, batch, dtype)
+        _assert_equal(got, permute_multi_embedding_backward_reference(grads, p, i, o, in_lengths, batch, dtype))
+        assert (got[1][:, -8:] == 0).all()  # the unused keys
+
+
 def test_into_copy_on_write_outputs_leave_their_sources_alone(kernel):
     """Outputs made by ``torch._lazy_clone`` share their source's storage until written:
     the kernel writes through the outputs' mutable pointers, which copies them first."""

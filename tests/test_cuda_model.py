@@ -1,12 +1,12 @@
 """``benchmarks/cuda_model.py``, the device-free cost model, held to issue 36's goals that
 it meets: one launch per forward, backward and ``_into`` call (ATen's included), sector
 efficiency of at least 0.9 on the seed layout (float32 and bfloat16), at most 5% idle
-blocks on the narrow layout; on the VBE layout (1,001 inputs) one launch per forward,
-at most 8 per backward (ATen's sort and search included), whatever the number of inputs,
-one host-to-device copy each (their table of tensors), at most 5% idle blocks and sector
-efficiency of at least 0.8. The goals it misses (idle blocks on the seed layout at its
-batch, sector efficiency of narrow and odd-width keys) have no test here;
-``python -m benchmarks.cuda_model`` shows them."""
+blocks on every layout it runs (seed, narrow, VBE; the other bench layouts take longer
+to emulate: ``python -m benchmarks.cuda_model`` shows them), including a plan with gaps
+in one output only; on the VBE layout (1,001 inputs) one launch per forward, at most 8
+per backward (ATen's sort and search included), whatever the number of inputs, one
+host-to-device copy each (their table of tensors) and sector efficiency of at least 0.8.
+The goal it misses (sector efficiency of narrow and odd-width keys) has no test here."""
 
 import shutil
 import sys
@@ -51,7 +51,6 @@ def test_vbe_launches_copies_idle_blocks_and_sector_efficiency(model):
     assert back["launches"] <= 8, back  # keys, sort, search, sums
     for r in (fwd, back):
         assert r["copies"] == 1, r  # the table of tensors, from pinned memory
-        assert r["idle_blocks"] / r["blocks"] <= 0.05, r
         assert r["min_sectors"] / r["sectors"] >= 0.8, r
 
 
@@ -90,9 +89,40 @@ def test_seed_layout_sector_efficiency(model, dtype, op):
     assert r["min_sectors"] / r["sectors"] >= 0.9, r
 
 
+def test_idle_blocks_at_every_layout(model):
+    for key, r in model.items():
+        assert r["idle_blocks"] / r["blocks"] <= 0.05, (key, r)
+
+
 @pytest.mark.parametrize("op", cuda_model.OPS)
-def test_narrow_layout_idle_blocks(model, op):
-    r = model["narrow", "bfloat16", op]
+def test_idle_blocks_with_gaps_in_one_output(op):
+    # Gaps in one output only (rows dropped) and an unused key: the zero blocks are few
+    # whatever the plan, so few are idle.
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler to build the emulation")
+    import torch
+
+    import kt_regroup
+
+    ext = cuda_model.emulation()
+    # One very wide key: many zero tiles, few copy blocks.
+    keys = [["wide"] + [f"a{t}" for t in range(30)], [f"b{t}" for t in range(30)] + ["unused"]]
+    lengths = [[40_000] + [8 + t % 3 for t in range(30)], [4 + t % 5 for t in range(30)] + [64]]
+    groups = [["wide"] + [f"a{t}" for t in range(0, 30, 2)] + [f"b{t}" for t in range(0, 30, 2)],
+              [f"a{t}" for t in range(1, 30, 2)] + [f"b{t}" for t in range(1, 30, 2)]]  # fmt: skip
+    p, _, _, n = kt_regroup.kt_regroup_arguments(torch.empty(0), keys, lengths, groups)
+    p = p[[r for r in range(p.size(0)) if not (p[r, 1] == 1 and r % 5 == 0)]].contiguous()
+    widths, batch = [sum(w) for w in lengths], 8
+    xs = [torch.randn(batch, w) for w in widths]
+    grads = [torch.randn(batch, w) for w in n]
+    outs = [torch.empty(batch, w) for w in n]
+    call = {
+        "forward": lambda: ext.forward(xs, p, list(n), None),
+        "backward": lambda: ext.backward(grads, p, widths, batch, torch.float32),
+        "_into": lambda: ext.into(xs, p, outs),
+    }[op]
+    r = cuda_model._traced(ext, call)
+    assert r["launches"] == 1, r
     assert r["idle_blocks"] / r["blocks"] <= 0.05, r
 
 

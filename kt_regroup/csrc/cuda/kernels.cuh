@@ -38,11 +38,15 @@
 // 16-byte aligned, else element by element; int64 indexing throughout.
 //
 // *Columns no row writes* (gaps in an output, gradients of unused keys) are exact zeros,
-// written once: a zero block takes a tile of columns (the written tensors side by side)
-// and a range of batch rows, marks in shared memory the columns some row writes (every
-// block scans the plan; it is small and cached) and stores zeros in the others. Copy
-// blocks and zero blocks write disjoint columns, so one launch does both; nothing is
-// zero-filled and then overwritten.
+// written once: a zero tile is a tile of columns (the written tensors side by side) and
+// a range of batch rows; its block marks in shared memory the columns some row writes
+// (scanning the plan; it is small and cached) and stores zeros in the others. The host
+// does not read the plan, so it cannot tell which tiles hold gaps: there is one zero
+// block per 32 copy blocks at most, each taking a run of tiles that share their columns
+// (one scan per run's column tile), so that where the plan leaves no gap (as a rule) few
+// blocks are idle and the plan is scanned about once per column tile. Copy blocks and
+// zero blocks write disjoint columns, so one launch does both; nothing is zero-filled and
+// then overwritten.
 //
 // *Duplicates* (the backward) are found in the plan, as the CPU kernel finds them:
 // column 5 (torchrec's `next` chain) is never read, so a hand-made plan, or one whose
@@ -147,8 +151,9 @@ constexpr int kMaxTensors =
     32;  // tensors per side of a forward launch, and written by a backward one
 constexpr int kMaxReads = 64;  // gradient outputs one backward launch reads (all of them)
 constexpr int64_t kTileBytes = 32 * 1024;  // bytes a copy block moves (about)
-constexpr int kZeroCols = 2048;            // columns per zero block
-constexpr int64_t kMaxZeroBlocks = 512;    // each scans the whole plan
+constexpr int kZeroCols = 2048;            // columns per zero tile of the VBE forward
+constexpr int kDenseZeroCols = 8192;       // columns per zero tile of the dense ops
+constexpr int64_t kMaxZeroTiles = 512;     // per launch (more where batch rows need them)
 
 // Element dtypes of the fused cast.
 enum DtypeCode : int8_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kOther = 4 };
@@ -223,12 +228,13 @@ struct Plan {
 struct Launch {
   Plan plan;
   int64_t batch;
-  int64_t n_reads_total;  // forward: rows reading a tensor outside [0, this) are no-ops
-  int64_t tile_rows;      // batch rows per copy block
-  int64_t zero_blocks;    // the first blocks of the grid
-  int64_t zero_col_tiles;
-  int64_t zero_rows;   // batch rows per zero block
-  int64_t total_cols;  // columns of this launch's written tensors, side by side
+  int64_t n_reads_total;   // forward: rows reading a tensor outside [0, this) are no-ops
+  int64_t tile_rows;       // batch rows per copy block
+  int64_t zero_blocks;     // the first blocks of the grid, each taking a run of zero tiles
+  int64_t zero_tiles;      // zero_col_tiles x chunks of zero_rows batch rows
+  int64_t zero_col_tiles;  // of zero_cols columns of the written tensors side by side
+  int64_t zero_rows;       // batch rows per zero tile
+  int64_t total_cols;      // columns of this launch's written tensors, side by side
 };
 
 struct Row {
@@ -345,51 +351,63 @@ struct Bytes<16> {
   using type = Pair64;
 };
 
-// Fills the columns of this launch's written tensors that no row writes with zeros
-// (all-zero bytes: +0.0, 0, false), for the block's tile of columns and batch rows.
-// `rows`: each written tensor's row count where they differ (the VBE backward), else
-// nullptr (L.batch).
+// Zero block blk: zero tiles [blk * T / Z, (blk + 1) * T / Z) of T = zero_tiles, Z =
+// zero_blocks (few blocks, so that where the plan leaves no gap, as a rule, few are
+// idle). Tile z is column tile z / chunks (kDenseZeroCols columns of this launch's
+// written tensors side by side), batch rows (z % chunks) * zero_rows on: consecutive
+// tiles share their columns, so the block marks in shared memory the columns some row
+// writes (scanning the plan) once per column tile, then fills the others with zeros
+// (all-zero bytes: +0.0, 0, false) for each tile's batch rows.
 template <bool kBackward, int ES, int NW>
-__device__ void zero_block(
-    const Launch& L, const Tensors<NW>& w, int64_t blk, const int64_t* rows = nullptr) {
+__device__ void zero_block(const Launch& L, const Tensors<NW>& w, int64_t blk) {
   using E = typename Bytes<ES>::type;
-  __shared__ bool covered[kZeroCols];
+  __shared__ bool covered[kDenseZeroCols];
   __shared__ int64_t first[NW + 1];  // first flat column of each written tensor
-  const int64_t tile = blk % L.zero_col_tiles;
-  const int64_t c0 = tile * kZeroCols;
-  const int64_t n_cols = imin(kZeroCols, L.total_cols - c0);
-  for (int k = threadIdx.x; k < kZeroCols; k += kThreads) covered[k] = false;
   if (threadIdx.x == 0) {
     first[0] = 0;
     for (int k = 0; k < w.count; ++k) first[k + 1] = first[k] + w.width[k];
   }
-  __syncthreads();
-  for (int64_t r = threadIdx.x; r < L.plan.n_rows; r += kThreads) {
-    const Row row = load_row<kBackward>(L.plan, r);
-    int64_t wt;
-    Span s;
-    if (!writes<kBackward>(row, w, L, wt, s)) continue;
-    // Flat columns [first + off + lo, first + off + hi), inside the tensor, within the tile.
-    const int64_t a = imax(first[wt] + row.write_off + s.lo, c0);
-    const int64_t e = imin(first[wt] + row.write_off + s.hi, c0 + n_cols);
-    for (int64_t c = a; c < e; ++c) covered[c - c0] = true;
-  }
-  __syncthreads();
+  const int64_t chunks = L.zero_tiles / L.zero_col_tiles;
+  const int64_t z1 = (blk + 1) * L.zero_tiles / L.zero_blocks;
+  int64_t marked = -1;  // the column tile covered[] holds
   bool gap = false;
-  for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) gap |= !covered[k];
-  if (!__syncthreads_or(gap)) return;
-  const int64_t b0 = (blk / L.zero_col_tiles) * L.zero_rows;
-  const int64_t b1 = imin(L.batch, b0 + L.zero_rows);
-  tile_begins();
-  for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) {
-    tile_step();
-    if (covered[k]) continue;
-    const int64_t c = c0 + k;
-    int t = 0;
-    while (t + 1 < w.count && c >= first[t + 1]) ++t;
-    E* dst = reinterpret_cast<E*>(const_cast<char*>(w.ptr[t])) + (c - first[t]);
-    const int64_t rs = w.row_stride[t], end = rows ? imin(b1, rows[t]) : b1;
-    for (int64_t b = b0; b < end; ++b) st<__LINE__>(dst + b * rs, E{});
+  for (int64_t z = blk * L.zero_tiles / L.zero_blocks; z < z1; ++z) {
+    const int64_t c0 = (z / chunks) * kDenseZeroCols;
+    const int64_t n_cols = imin(kDenseZeroCols, L.total_cols - c0);
+    if (z / chunks != marked) {
+      marked = z / chunks;
+      __syncthreads();  // first[] written; covered[] read by the previous tile
+      for (int k = threadIdx.x; k < kDenseZeroCols; k += kThreads) covered[k] = false;
+      __syncthreads();
+      for (int64_t r = threadIdx.x; r < L.plan.n_rows; r += kThreads) {
+        const Row row = load_row<kBackward>(L.plan, r);
+        int64_t wt;
+        Span s;
+        if (!writes<kBackward>(row, w, L, wt, s)) continue;
+        // Flat columns [first + off + lo, first + off + hi), inside the tensor, in the tile.
+        const int64_t a = imax(first[wt] + row.write_off + s.lo, c0);
+        const int64_t e = imin(first[wt] + row.write_off + s.hi, c0 + n_cols);
+        for (int64_t c = a; c < e; ++c) covered[c - c0] = true;
+      }
+      __syncthreads();
+      bool any = false;
+      for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) any |= !covered[k];
+      gap = __syncthreads_or(any);
+    }
+    if (!gap) continue;
+    const int64_t b0 = (z % chunks) * L.zero_rows;
+    const int64_t b1 = imin(L.batch, b0 + L.zero_rows);
+    tile_begins();
+    for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) {
+      tile_step();
+      if (covered[k]) continue;
+      const int64_t c = c0 + k;
+      int t = 0;
+      while (t + 1 < w.count && c >= first[t + 1]) ++t;
+      E* dst = reinterpret_cast<E*>(const_cast<char*>(w.ptr[t])) + (c - first[t]);
+      const int64_t rs = w.row_stride[t];
+      for (int64_t b = b0; b < b1; ++b) st<__LINE__>(dst + b * rs, E{});
+    }
   }
 }
 
@@ -1268,7 +1286,7 @@ __global__ void __launch_bounds__(kThreads)
 // A kernel's static shared memory (at most a zero block's, find_sums' and Sums) stays
 // within the 48 KiB a launch gets without opting in.
 static_assert(
-    sizeof(bool) * kZeroCols + sizeof(int64_t) * (kMaxTensors + 1) + sizeof(bool) * kThreads +
+    sizeof(bool) * kDenseZeroCols + sizeof(int64_t) * (kMaxTensors + 1) + sizeof(bool) * kThreads +
             sizeof(Sums) <=
         48 * 1024,
     "static shared memory over 48 KiB");
@@ -1324,14 +1342,16 @@ int64_t pow2_floor(int64_t x) {
   return p;
 }
 
-// Grid and tile sizes of one launch writing `total_cols` columns (of `es`-byte elements).
+// Grid and tile sizes of one launch writing `total_cols` columns (of `es`-byte elements),
+// zero tiles of `zero_cols` columns.
 Launch plan_launch(
     const at::Tensor& permutes,
     int64_t batch,
     int64_t n_reads_total,
     int64_t total_cols,
     int64_t es,
-    bool zero_fill) {
+    bool zero_fill,
+    int64_t zero_cols = kDenseZeroCols) {
   Launch L{};
   L.plan = device_plan(permutes);
   L.batch = batch;
@@ -1342,11 +1362,17 @@ Launch plan_launch(
   const int64_t row_bytes = std::max<int64_t>(1, total_cols / n_rows * es);
   L.tile_rows = std::min(pow2_floor(std::max<int64_t>(1, kTileBytes / row_bytes)), batch);
   if (zero_fill && total_cols > 0) {
-    L.zero_col_tiles = ceil_div(total_cols, kZeroCols);
+    L.zero_col_tiles = ceil_div(total_cols, zero_cols);
     const int64_t chunks =
-        std::clamp<int64_t>(kMaxZeroBlocks / L.zero_col_tiles, 1, ceil_div(batch, 32));
+        std::clamp<int64_t>(kMaxZeroTiles / L.zero_col_tiles, 1, ceil_div(batch, 32));
     L.zero_rows = ceil_div(batch, chunks);
-    L.zero_blocks = L.zero_col_tiles * ceil_div(batch, L.zero_rows);
+    L.zero_tiles = L.zero_col_tiles * ceil_div(batch, L.zero_rows);
+    // The host cannot see where the plan (on the device) leaves gaps: one zero block per
+    // 32 copy blocks at most, so that, gaps or none, at most about 3% of blocks are idle.
+    // Without copy blocks, one per tile.
+    const int64_t copy = L.plan.n_rows * ceil_div(batch, std::max<int64_t>(1, L.tile_rows));
+    L.zero_blocks =
+        copy == 0 ? L.zero_tiles : std::min(L.zero_tiles, std::max<int64_t>(1, copy / 32));
   }
   return L;
 }
@@ -1557,11 +1583,12 @@ void vbe_forward_launches(
   // Copy blocks as the forward's (plan_launch); zero tiles as its zero blocks, taken by
   // one zero block per 32 copy blocks at most: where the plan leaves no gap (as a rule)
   // they write nothing. Without copy blocks, one zero block per tile.
-  const Launch sizes = plan_launch(plan, batch, L.n_ins, total_cols, es, /*zero_fill=*/true);
+  const Launch sizes =
+      plan_launch(plan, batch, L.n_ins, total_cols, es, /*zero_fill=*/true, kZeroCols);
   L.tile_rows = std::min(sizes.tile_rows, kVbeTileRows);
   L.zero_col_tiles = sizes.zero_col_tiles;
   L.zero_rows = sizes.zero_rows;
-  L.zero_tiles = sizes.zero_blocks;
+  L.zero_tiles = sizes.zero_tiles;
   const int64_t copy = L.plan.n_rows * ceil_div(batch, std::max<int64_t>(1, L.tile_rows));
   L.zero_blocks =
       copy == 0 ? L.zero_tiles : std::min(L.zero_tiles, std::max<int64_t>(1, copy / 32));
