@@ -295,8 +295,8 @@ __device__ bool writes(
 }
 
 // Calls load(b, j) then store(b, j, value) for each element (b, j) of a rows x cols tile,
-// kUnroll loads in flight per thread; consecutive threads take consecutive columns.
-template <typename T, typename Load, typename Store>
+// U loads in flight per thread; consecutive threads take consecutive columns.
+template <typename T, int U = kUnroll, typename Load, typename Store>
 __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
   const int64_t total = rows * cols;
   if (total <= 0) return;
@@ -304,12 +304,12 @@ __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
   const int64_t step_b = kThreads / cols, step_j = kThreads % cols;
   int64_t b = threadIdx.x / cols, j = threadIdx.x % cols;
   tile_begins();
-  for (int64_t i = threadIdx.x; i < total; i += int64_t(kThreads) * kUnroll) {
+  for (int64_t i = threadIdx.x; i < total; i += int64_t(kThreads) * U) {
     tile_step();
-    T v[kUnroll];
-    int64_t bs[kUnroll], js[kUnroll];
+    T v[U];
+    int64_t bs[U], js[U];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       bs[u] = b;
       js[u] = j;
       if (i + int64_t(u) * kThreads < total) v[u] = load(b, j);
@@ -321,7 +321,7 @@ __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       if (i + int64_t(u) * kThreads < total) store(bs[u], js[u], v[u]);
     }
   }
@@ -454,7 +454,9 @@ __device__ void copy_shifted(
   const auto head = [&](const char* d) {
     return imin(n, static_cast<int64_t>((0 - reinterpret_cast<uintptr_t>(d)) & 15));
   };
-  for_tile<uint4>(
+  // Two units in flight per thread: four loads where source and destination are
+  // misaligned relative to each other, in fewer registers than four units would take.
+  for_tile<uint4, 2>(
       rows, n / 16,
       [&](int64_t b, int64_t j) {
         const char* d = dst + (b0 + b) * drs;
