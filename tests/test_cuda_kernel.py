@@ -299,6 +299,17 @@ def test_misaligned_segments_of_every_relative_alignment(kernel, dtype, batch, m
     _assert_equal([buf[:, 0], buf[:, -2:]], [before[:, 0], before[:, -2:]])
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.int64], ids=str)
+def test_vbe_misaligned_segments_of_every_relative_alignment(kernel, dtype):
+    # The variable-batch forward's copy of misaligned segments, rows through an index.
+    p, in_widths, out_widths = _misaligned_plan(dtype.itemsize)
+    i, o = torch.tensor(in_widths), torch.tensor(out_widths)
+    x = _values(5, in_widths[0], dtype, "sliced", 8)
+    index = torch.tensor([3, 0, 4, 4, 1, 2, 0] * 5)[:33]
+    want = permute_multi_embedding_reference([x[index]], p, i, o, out_widths)
+    _assert_equal(kernel.vbe_forward([x], [index], p, i, o, out_widths, 33), want)
+
+
 def test_key_used_more_often_than_a_block_lists(kernel):
     # One key 40 times (more rows than a block lists in shared memory: walked per
     # element), another 3 times.
