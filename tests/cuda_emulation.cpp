@@ -46,6 +46,9 @@ thread_local EmulatedIndex threadIdx, blockIdx;
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+  return static_cast<unsigned>(((uint64_t(hi) << 32) | lo) >> (shift & 31));
+}
 
 namespace emulation {
 inline std::barrier<>* barrier = nullptr;

@@ -261,6 +261,55 @@ def test_aligned_segments(kernel, dtype):
         )
 
 
+def _misaligned_plan(es):
+    """Rows of widths 1..40 at every relative misalignment (bytes mod 16) of source and
+    destination for elements of ``es`` bytes, the destination's own alignment varying
+    with them; every pair of the two alignments at a few widths. One input of odd width,
+    one output whose rows hold the segments 16 bytes apart (the gaps zero-filled)."""
+    v = 16 // es  # elements per 16 bytes
+    rows, out_off = [], 0
+    for w in range(1, 41):
+        pairs = [(a, c) for a in range(v) for c in range(v)] if w in (1, 15, 16, 17, 40) or v <= 4 \
+            else [(((w + r) % v + r) % v, (w + r) % v) for r in range(v)]
+        for a, c in pairs:
+            out_off += (c - out_off) % v
+            rows.append([0, 0, 8 * v + a, out_off, w, 0])
+            out_off += w + v
+    in_width, out_width = 8 * v + 40 + 2 * v + 1, out_off + 1
+    return torch.tensor(rows), [in_width], [out_width]
+
+
+@pytest.mark.parametrize("memory", ["contiguous", "sliced"])
+@pytest.mark.parametrize("batch", [1, 33])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.int64], ids=str)
+def test_misaligned_segments_of_every_relative_alignment(kernel, dtype, batch, memory):
+    # Segments whose source and destination are misaligned (relative to each other too):
+    # a head and tail element by element, aligned 16-byte stores between them.
+    p, in_widths, out_widths = _misaligned_plan(dtype.itemsize)
+    i, o = torch.tensor(in_widths), torch.tensor(out_widths)
+    xs = [_values(batch, in_widths[0], dtype, memory, 5)]
+    want = permute_multi_embedding_reference(xs, p, i, o, out_widths)
+    _assert_equal(kernel.forward(xs, p, i, o, out_widths), want)
+    # Into outputs sliced from a wider buffer: another destination alignment per row.
+    buf = _values(batch, out_widths[0] + 3, dtype, "contiguous", 6)
+    outs = [buf[:, 1 : out_widths[0] + 1]]
+    before = buf.clone()
+    kernel.into(xs, p, i, o, outs)
+    _assert_equal(outs, want)
+    _assert_equal([buf[:, 0], buf[:, -2:]], [before[:, 0], before[:, -2:]])
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.int64], ids=str)
+def test_vbe_misaligned_segments_of_every_relative_alignment(kernel, dtype):
+    # The variable-batch forward's copy of misaligned segments, rows through an index.
+    p, in_widths, out_widths = _misaligned_plan(dtype.itemsize)
+    i, o = torch.tensor(in_widths), torch.tensor(out_widths)
+    x = _values(5, in_widths[0], dtype, "sliced", 8)
+    index = torch.tensor([3, 0, 4, 4, 1, 2, 0] * 5)[:33]
+    want = permute_multi_embedding_reference([x[index]], p, i, o, out_widths)
+    _assert_equal(kernel.vbe_forward([x], [index], p, i, o, out_widths, 33), want)
+
+
 def test_key_used_more_often_than_a_block_lists(kernel):
     # One key 40 times (more rows than a block lists in shared memory: walked per
     # element), another 3 times.

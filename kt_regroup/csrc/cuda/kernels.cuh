@@ -35,7 +35,10 @@
 // neighbouring blocks touch neighbouring columns of the same rows. A copy block moves its
 // row's segment for its batch rows (about kTileBytes), kUnroll loads in flight per
 // thread, in 16-byte vectors where the segment, its row strides and its pointers are
-// 16-byte aligned, else element by element; int64 indexing throughout.
+// 16-byte aligned; a contiguous segment that is not has each row copied as a head and a
+// tail element by element and aligned 16-byte stores between them, their bytes read as
+// aligned 16-byte words and shifted into place (copy_shifted); other segments element by
+// element; int64 indexing throughout.
 //
 // *Columns no row writes* (gaps in an output, gradients of unused keys) are exact zeros,
 // written once: a zero tile is a tile of columns (the written tensors side by side) and
@@ -292,8 +295,8 @@ __device__ bool writes(
 }
 
 // Calls load(b, j) then store(b, j, value) for each element (b, j) of a rows x cols tile,
-// kUnroll loads in flight per thread; consecutive threads take consecutive columns.
-template <typename T, typename Load, typename Store>
+// U loads in flight per thread; consecutive threads take consecutive columns.
+template <typename T, int U = kUnroll, typename Load, typename Store>
 __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
   const int64_t total = rows * cols;
   if (total <= 0) return;
@@ -301,12 +304,12 @@ __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
   const int64_t step_b = kThreads / cols, step_j = kThreads % cols;
   int64_t b = threadIdx.x / cols, j = threadIdx.x % cols;
   tile_begins();
-  for (int64_t i = threadIdx.x; i < total; i += int64_t(kThreads) * kUnroll) {
+  for (int64_t i = threadIdx.x; i < total; i += int64_t(kThreads) * U) {
     tile_step();
-    T v[kUnroll];
-    int64_t bs[kUnroll], js[kUnroll];
+    T v[U];
+    int64_t bs[U], js[U];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       bs[u] = b;
       js[u] = j;
       if (i + int64_t(u) * kThreads < total) v[u] = load(b, j);
@@ -318,7 +321,7 @@ __device__ void for_tile(int64_t rows, int64_t cols, Load load, Store store) {
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       if (i + int64_t(u) * kThreads < total) store(bs[u], js[u], v[u]);
     }
   }
@@ -411,6 +414,85 @@ __device__ void zero_block(const Launch& L, const Tensors<NW>& w, int64_t blk) {
   }
 }
 
+// Bytes [m, m + 16) of the 32 bytes lo:hi (little-endian), m in [0, 16): funnel shifts of
+// neighbouring 32-bit words, picked by selects so that nothing is indexed at run time.
+__device__ __forceinline__ uint4 shift_bytes(const uint4& lo, const uint4& hi, int m) {
+  const uint32_t x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const int q = m >> 2, r = (m & 3) * 8;
+  uint32_t y[5];
+#pragma unroll
+  for (int k = 0; k < 5; ++k) {
+    y[k] = q == 0 ? x[k] : q == 1 ? x[k + 1] : q == 2 ? x[k + 2] : x[k + 3];
+  }
+  uint4 v;
+  v.x = __funnelshift_r(y[0], y[1], r);
+  v.y = __funnelshift_r(y[1], y[2], r);
+  v.z = __funnelshift_r(y[2], y[3], r);
+  v.w = __funnelshift_r(y[3], y[4], r);
+  return v;
+}
+
+// A contiguous segment (column stride 1) of n bytes per row whose rows are not all 16-byte
+// aligned, elements of ES bytes: each row as a head up to its destination's next 16-byte
+// boundary, 16-byte stores, and a tail; head and tail element by element. A 16-byte
+// store's bytes are read as the aligned 16-byte words that hold them (two where source
+// and destination are misaligned relative to each other) and combined by shift_bytes, so
+// every access is aligned and a warp's lanes touch consecutive words of a row. Batch row
+// b0 + b (b in [0, rows)) is written at dst + (b0 + b) * drs and read at src + from *
+// srs, from = row_of(b0 + b) (-1: zeros); strides in bytes.
+template <int ES, typename RowOf>
+__device__ void copy_shifted(
+    const char* src,
+    int64_t srs,
+    char* dst,
+    int64_t drs,
+    int64_t n,
+    int64_t b0,
+    int64_t rows,
+    RowOf row_of) {
+  using E = typename Bytes<ES>::type;
+  const auto head = [&](const char* d) {
+    return imin(n, static_cast<int64_t>((0 - reinterpret_cast<uintptr_t>(d)) & 15));
+  };
+  // Two units in flight per thread: four loads where source and destination are
+  // misaligned relative to each other, in fewer registers than four units would take.
+  for_tile<uint4, 2>(
+      rows, n / 16,
+      [&](int64_t b, int64_t j) {
+        const char* d = dst + (b0 + b) * drs;
+        const int64_t h = head(d), from = row_of(b0 + b);
+        if (16 * (j + 1) > n - h || from < 0) return uint4{0, 0, 0, 0};
+        const char* p = src + from * srs + h + 16 * j;
+        const int m = static_cast<int>(reinterpret_cast<uintptr_t>(p) & 15);
+        const uint4* w = reinterpret_cast<const uint4*>(p - m);
+        const uint4 lo = ld<__LINE__>(w);
+        return m == 0 ? lo : shift_bytes(lo, ld<__LINE__>(w + 1), m);
+      },
+      [&](int64_t b, int64_t j, const uint4& v) {
+        char* d = dst + (b0 + b) * drs;
+        const int64_t h = head(d);
+        if (16 * (j + 1) <= n - h) st<__LINE__>(reinterpret_cast<uint4*>(d + h + 16 * j), v);
+      });
+  // Element e of a row's head and tail: its byte offset in the row, or -1 past them.
+  const auto edge = [&](const char* d, int64_t e) {
+    const int64_t h = head(d), t = (n - h) % 16;
+    if (e * ES < h) return e * ES;
+    return e * ES - h < t ? n - t + (e * ES - h) : int64_t(-1);
+  };
+  for_tile<E>(
+      rows, imin(n / ES, 2 * (16 / ES - 1)),
+      [&](int64_t b, int64_t e) {
+        const int64_t o = edge(dst + (b0 + b) * drs, e), from = row_of(b0 + b);
+        return o >= 0 && from >= 0 ? ld<__LINE__>(reinterpret_cast<const E*>(src + from * srs + o))
+                                   : E{};
+      },
+      [&](int64_t b, int64_t e, const E& v) {
+        char* d = dst + (b0 + b) * drs;
+        const int64_t o = edge(d, e);
+        if (o >= 0) st<__LINE__>(reinterpret_cast<E*>(d + o), v);
+      });
+}
+
 // A copy block's work as a byte copy (elements of ES bytes, an input of the output's
 // dtype): columns [s.lo, s.hi) of `row`'s segment (s inside the output) for batch rows
 // [b0, b0 + rows), batch row b read from input row row_of(b) (b itself, or through the
@@ -450,6 +532,11 @@ __device__ void copy_segment(
           },
           [&](int64_t b, int64_t j, const uint4& v) { st<__LINE__>(vd + b * v_drs + j, v); });
       return;
+    }
+    if constexpr (ES <= 8) {
+      if (scs == 1) {
+        return copy_shifted<ES>(src, srs * ES, dst, drs * ES, row_bytes, b0, rows, row_of);
+      }
     }
   }
   const E* src = reinterpret_cast<const E*>(in_ptr);
