@@ -1051,6 +1051,19 @@ def test_cuda_one_launch_per_call():
         assert len(kernels) == 1 and "permute_" in kernels[0], (name, kernels)
 
 
+def _captured(step):
+    """``step`` warmed up on a side stream, then captured: ``(graph, its outputs)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
 @needs_cuda_kernels
 def test_cuda_graph_captures_forward_into_and_backward():
     p, i, o, n = cuda_plan()
@@ -1064,14 +1077,7 @@ def test_cuda_graph_captures_forward_into_and_backward():
         back = ops.permute_multi_embedding_backward(grads, p, i, o, in_lengths, 64, torch.float32)
         return fwd, back
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd, back = step()
+    graph, (fwd, back) = _captured(step)
     for t in xs + grads:
         t.mul_(2)
     graph.replay()
@@ -1177,14 +1183,7 @@ def test_cuda_graph_captures_the_vbe_ops():
         flat = ops.permute_multi_embedding_vbe_backward(grads, indices, p, i, o, widths, rows, torch.float32)
         return outs, flat
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs, flat = step()
+    graph, (outs, flat) = _captured(step)
     step()  # another call between capture and replay reuses no captured staging block
     for t in xs + grads:
         t.mul_(2)
