@@ -281,19 +281,20 @@ needs_library() {  # NAME: whether kt_regroup loads; else the step is reported S
 }
 
 # --- smoke: the kernel checks the emulation runs, on the device against the CPU op ---------
-# tests/test_cuda_kernel.py's checks of the `kernel` fixture (not its test_cuda_* ones): on
-# a GPU the compiled kernels, elsewhere the emulation. Then compute-sanitizer's memcheck
+# tests/test_cuda_kernel.py's checks of the `kernel` fixture (marked kernel_check): on a
+# GPU the compiled kernels, elsewhere the emulation. Then compute-sanitizer's memcheck
 # and racecheck (shared memory) on the reference checks, where the toolkit has it.
 SANITIZER=$(command -v compute-sanitizer \
   || ls "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/compute-sanitizer" \
      /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -n 1)
-kernel_checks() {  # -k EXPRESSION -> CHECKS (an array)
-  CHECKS=("$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_cuda_kernel.py -k "$1")
+kernel_checks() {  # [-k EXPRESSION] -> CHECKS (an array)
+  CHECKS=("$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_cuda_kernel.py -m kernel_check)
+  if [ -n "$1" ]; then CHECKS+=(-k "$1"); fi
 }
 if ! wanted smoke; then
   say "- smoke: not asked (--only $ONLY)"
 elif needs_library smoke; then
-  kernel_checks "${KT_GPU_CHECK_SMOKE_K:-not test_cuda_}"
+  kernel_checks "${KT_GPU_CHECK_SMOKE_K:-}"
   step smoke "$([ "$DRY" = 1 ] && echo 240 || echo 60)" "${CHECKS[@]}"
   kernel_checks "${KT_GPU_CHECK_SANITIZE_K:-forward_equals_reference or backward_equals_reference or vbe_forward_equals or vbe_backward_equals}"
   for tool in memcheck racecheck; do

@@ -128,7 +128,9 @@ class Cuda:
         ).cpu()
 
 
-@pytest.fixture(scope="module", params=["emulated", "cuda"])
+# Every test of this fixture is a kernel check (-m kernel_check: the GPU check's smoke).
+@pytest.fixture(scope="module", params=[pytest.param(p, marks=pytest.mark.kernel_check)
+                                        for p in ("emulated", "cuda")])
 def kernel(request):
     if request.param == "cuda":
         if not CUDA_KERNELS:

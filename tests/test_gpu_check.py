@@ -133,6 +133,19 @@ def test_dry_run_keeps_the_bench_json_and_reads_the_goals_from_it(dry_run):
     assert len(rows) == 4 and len(set(rows)) == 4, vbe
 
 
+def test_the_smoke_selects_the_kernel_checks_of_both_kinds_and_nothing_else():
+    # The script's own kernel_checks with its default selection (the dry run narrows it).
+    script = ("source <(sed -n '/^kernel_checks() {/,/^}/p' scripts/gpu_check.sh); "
+              "kernel_checks ''; \"${CHECKS[@]}\" --collect-only")
+    proc = subprocess.run(["bash", "-c", script], env={**os.environ, "PY": sys.executable},
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    kinds = {re.search(r"\[(emulated|cuda)", i)[1] for i in ids}
+    assert len(ids) > 100 and kinds == {"emulated", "cuda"}, proc.stdout[-2000:]
+    assert not [i for i in ids if "::test_cuda_" in i], ids
+
+
 def test_without_torchrec_the_training_step_and_bench_run_at_op_level(tmp_path):
     report = _run(tmp_path, "--only", "training_step,bench", KT_GPU_CHECK_NO_TORCHREC="1")
     _assert_steps_ok(report, ("environment", "library", "training_step", "bench_op_level"))
