@@ -79,8 +79,19 @@ def _step(call, values, backward: bool) -> None:
         assert grads[0].shape == values[0].shape
 
 
+@pytest.fixture
+def one_thread():
+    # Leaks do not depend on threads. With two, each call's copy (132 KiB, past the
+    # parallel grain) wakes an OpenMP thread, which on a busy machine (pytest-xdist's
+    # other worker) waits milliseconds for a core.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
-def test_thousands_of_warm_calls_do_not_grow_memory_or_live_tensors(backward):
+def test_thousands_of_warm_calls_do_not_grow_memory_or_live_tensors(backward, one_thread):
     values, surfaces = _surfaces(requires_grad=backward)
     for name, call in surfaces.items():
         for _ in range(200):  # warm: plans built, caches and allocator pools filled
