@@ -31,6 +31,15 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("KT_REGROUP_HYPOTHESIS_PROFILE", "ci"))
 
+
+def pytest_configure(config):
+    # pytest-xdist's workers share the cores: each gets its share of intra-op threads.
+    # Oversubscribed, every parallel region waits for a core (milliseconds per call on a
+    # busy machine). The tests of the multi-threaded paths set their own thread counts.
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # Dtypes FBGEMM's permute_multi_embedding accepts (it has no float64 kernel).
 FBGEMM_DTYPES = [torch.float32, torch.float16, torch.bfloat16]

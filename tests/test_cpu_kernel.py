@@ -636,10 +636,10 @@ WIDE_ODD_LAYOUT = SMALL_LAYOUT._replace(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_ids)
 @pytest.mark.parametrize("layout", [SMALL_LAYOUT, WIDE_ODD_LAYOUT], ids=["small", "wide-odd"])
 @copy_program
-def test_streaming_stores_past_32mib_match_the_oracle(dtype, layout):
+def test_streaming_stores_past_32mib_match_the_oracle(four_threads, dtype, layout):
     # Outputs and gradients past 32 MiB (in huge pages, or the _into op's) are written
-    # with non-temporal stores on any machine; odd widths (1, 3, 7, 127, 130) put segment
-    # edges off 16-byte alignment.
+    # with non-temporal stores on any machine, by every thread; odd widths (1, 3, 7, 127,
+    # 130) put segment edges off 16-byte alignment.
     width = sum(get_plan(*layout).out_lengths)
     batch = (33 << 20) // (width * dtype.itemsize) + 1
     values = make_values(layout, batch, dtype, requires_grad=True, seed=8)
