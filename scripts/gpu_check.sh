@@ -21,9 +21,10 @@
 #                call; then the goals of issues 21 and 23 (the variable-batch op's modes,
 #                a few seconds of each cell's 150 s) read from its records;
 #   tests        with the time left: every test with "cuda" in its name (the convention:
-#                CUDA-only tests are named *cuda* and skip without CUDA), `pytest -v` so
-#                each outcome line survives a kill, a per-test timeout where pytest-timeout
-#                is installed, `-n` where pytest-xdist is.
+#                CUDA-only tests are named *cuda* and skip without CUDA) but the kernel
+#                checks a passed smoke ran; `pytest -v` so each outcome line survives a
+#                kill, a per-test timeout where pytest-timeout is installed, `-n` where
+#                pytest-xdist is.
 # Where torchrec does not import, the training step and the bench run at op level
 # (kt_regroup's op on plan tensors, against copy_) and the report says what was skipped.
 # Where kt_regroup does not load, the training step and bench say SKIPPED; tests still run.
@@ -291,11 +292,18 @@ kernel_checks() {  # [-k EXPRESSION] -> CHECKS (an array)
   CHECKS=("$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_cuda_kernel.py -m kernel_check)
   if [ -n "$1" ]; then CHECKS+=(-k "$1"); fi
 }
+# The tests step's -k: every *cuda* test, less the kernel checks a passed smoke ran
+# ($1: passed or not, $2: the smoke's -k). -k matches marks too.
+tests_k() {  # SMOKE_OUTCOME [SMOKE_K] -> K
+  K=cuda
+  if [ "$1" = passed ]; then K="cuda and not (kernel_check${2:+ and ($2)})"; fi
+}
+SMOKE=not-run
 if ! wanted smoke; then
   say "- smoke: not asked (--only $ONLY)"
 elif needs_library smoke; then
   kernel_checks "${KT_GPU_CHECK_SMOKE_K:-}"
-  step smoke "$([ "$DRY" = 1 ] && echo 240 || echo 60)" "${CHECKS[@]}"
+  step smoke "$([ "$DRY" = 1 ] && echo 240 || echo 60)" "${CHECKS[@]}" && SMOKE=passed
   kernel_checks "${KT_GPU_CHECK_SANITIZE_K:-forward_equals_reference or backward_equals_reference or vbe_forward_equals or vbe_backward_equals}"
   for tool in memcheck racecheck; do
     if [ "$DRY" = 1 ]; then
@@ -563,7 +571,8 @@ fi
 if ! wanted tests; then
   say "- tests: not asked (--only $ONLY)"
 else
-  pytest_args=(-v -p no:cacheprovider -rA --continue-on-collection-errors -k cuda)
+  tests_k "$SMOKE" "${KT_GPU_CHECK_SMOKE_K:-}"
+  pytest_args=(-v -p no:cacheprovider -rA --continue-on-collection-errors -k "$K")
   "$PY" -c 'import pytest_timeout' 2>/dev/null \
     && pytest_args+=(--timeout "${KT_GPU_CHECK_TEST_TIMEOUT_S:-120}")
   workers=$(( $(nproc) / 2 > 8 ? 8 : $(nproc) / 2 ))
@@ -572,7 +581,7 @@ else
   step tests "${KT_GPU_CHECK_TESTS_S:-$BUDGET}" "$PY" -m pytest "${pytest_args[@]}" \
     ${KT_GPU_CHECK_TESTS:-tests}
   rc=$?
-  say "  command: pytest ${pytest_args[*]} ${KT_GPU_CHECK_TESTS:-tests}"
+  say "  command: pytest $(printf '%q ' "${pytest_args[@]}")${KT_GPU_CHECK_TESTS:-tests}"
   ((rc == 124 || rc == 137)) && say "  killed during: $(grep -v '^\s*$' "$WORK/tests.log" | tail -n 1)"
   # Each test by name with its outcome, from -v's lines (plain, or xdist's "[gw0] [ 5%]
   # PASSED id"), up to the summary; a kill leaves every line written before it.

@@ -54,10 +54,12 @@ def _assert_out_comes_back(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    # Its smoke and tests steps on one cell of the kernel checks: the suite runs the rest.
+    # Its smoke on one test of the kernel checks (the suite runs the rest), its tests step
+    # on that test (which the passed smoke leaves out) and a CUDA-only one.
     out = tmp_path_factory.mktemp("gpu_check")
     return out, _run(out, KT_GPU_CHECK_SMOKE_K="forward_equals_reference",
-                     KT_GPU_CHECK_TESTS="tests/test_cuda_kernel.py::test_forward_equals_reference")
+                     KT_GPU_CHECK_TESTS="tests/test_cuda_kernel.py::test_forward_equals_reference "
+                                        "tests/test_cuda_kernel.py::test_cuda_one_launch_per_call")
 
 
 def test_dry_run_passes_every_step_and_reports_every_version(dry_run):
@@ -99,10 +101,13 @@ def test_dry_run_passes_every_step_and_reports_every_version(dry_run):
 def test_dry_run_selects_the_tests_by_name_with_their_outcomes(dry_run):
     _, report = dry_run
     tests = report.split("- tests: ok")[1]
-    assert " -v " in tests and " -k cuda " in tests, tests
+    k = r"cuda\ and\ not\ \(kernel_check\ and\ \(forward_equals_reference\)\)"  # printf %q
+    assert " -v " in tests and f" -k {k} " in tests, tests
     outcomes = re.findall(r"^    (PASSED|SKIPPED|FAILED|ERROR) (tests/.+::.+)$", tests, re.M)
     assert outcomes and all("cuda" in test.lower() for _, test in outcomes), tests
     assert not [t for o, t in outcomes if o in ("FAILED", "ERROR")], tests
+    # the smoke ran and passed them: not again
+    assert not [t for _, t in outcomes if "forward_equals_reference" in t], tests
 
 
 def test_dry_run_keeps_the_bench_json_and_reads_the_goals_from_it(dry_run):
@@ -133,17 +138,28 @@ def test_dry_run_keeps_the_bench_json_and_reads_the_goals_from_it(dry_run):
     assert len(rows) == 4 and len(set(rows)) == 4, vbe
 
 
-def test_the_smoke_selects_the_kernel_checks_of_both_kinds_and_nothing_else():
-    # The script's own kernel_checks with its default selection (the dry run narrows it).
-    script = ("source <(sed -n '/^kernel_checks() {/,/^}/p' scripts/gpu_check.sh); "
-              "kernel_checks ''; \"${CHECKS[@]}\" --collect-only")
-    proc = subprocess.run(["bash", "-c", script], env={**os.environ, "PY": sys.executable},
+def _collected(selection: str) -> set:
+    # The script's own kernel_checks and tests_k, then pytest --collect-only.
+    functions = "".join(f"source <(sed -n '/^{f}() {{/,/^}}/p' scripts/gpu_check.sh); "
+                        for f in ("kernel_checks", "tests_k"))
+    proc = subprocess.run(["bash", "-c", functions + selection + " --collect-only"],
+                          env={**os.environ, "PY": sys.executable},
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    ids = [line for line in proc.stdout.splitlines() if "::" in line]
-    kinds = {re.search(r"\[(emulated|cuda)", i)[1] for i in ids}
-    assert len(ids) > 100 and kinds == {"emulated", "cuda"}, proc.stdout[-2000:]
-    assert not [i for i in ids if "::test_cuda_" in i], ids
+    return {line for line in proc.stdout.splitlines() if "::" in line}
+
+
+def test_the_smoke_selects_the_kernel_checks_of_both_kinds_and_the_tests_step_the_rest():
+    # The smoke's default selection (the dry run narrows it) ...
+    smoke = _collected("kernel_checks ''; \"${CHECKS[@]}\"")
+    kinds = {re.search(r"\[(emulated|cuda)", i)[1] for i in smoke}
+    assert len(smoke) > 100 and kinds == {"emulated", "cuda"}, sorted(smoke)[:20]
+    assert not [i for i in smoke if "::test_cuda_" in i], smoke
+    # ... and, once it passed, the tests step's: every other *cuda* test of the file.
+    every = _collected('"$PY" -m pytest -q tests/test_cuda_kernel.py -k cuda')
+    rest = _collected('tests_k passed ""; "$PY" -m pytest -q tests/test_cuda_kernel.py -k "$K"')
+    assert smoke.isdisjoint(rest) and smoke | rest == every, sorted(every - smoke - rest)[:20]
+    assert [i for i in rest if "::test_cuda_" in i], rest
 
 
 def test_without_torchrec_the_training_step_and_bench_run_at_op_level(tmp_path):
