@@ -1,6 +1,6 @@
 // Runs the device code of kt_regroup/csrc/cuda (kernels.cuh) on the CPU the way a device
-// may: each thread block as kThreads threads (a pool, a std::barrier for __syncthreads),
-// blocks one at a time in a seeded random order (set_block_order), shared memory
+// may: blocks one at a time in a seeded random order (set_block_order), each as kThreads
+// fibers that run in turn between its barriers, in a seeded random order; shared memory
 // poisoned (0xFF bytes) before each block, misaligned 16-byte accesses trapped, and each
 // launch checked against the device's limits (grid, block, parameter bytes, static shared
 // memory). The launches are planned, and the kernel per dtype chosen, by the same host
@@ -12,8 +12,7 @@
 // GPU test the kernels' logic here.
 
 #include <algorithm>
-#include <atomic>
-#include <barrier>
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -25,9 +24,11 @@
 #include <random>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
+
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #define __global__
 #define __device__
@@ -51,10 +52,6 @@ inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
 }
 
 namespace emulation {
-inline std::barrier<>* barrier = nullptr;
-inline std::atomic<int> flag[2];
-thread_local int generation = 0;
-
 // What a launch did wrong (a misaligned access, an index assert): the first message of
 // each kind, raised once the launch is done (the kernel goes on, as after a failed assert).
 inline std::mutex failed_mutex;
@@ -158,8 +155,14 @@ inline void tile_step() {
   emulation::next_step(l);
 }
 
+namespace kt_regroup::cuda {
+namespace {
+int block_sync(int predicate);  // BlockPool::sync of the running block
+}
+}  // namespace kt_regroup::cuda
+
 inline void __syncthreads() {
-  emulation::barrier->arrive_and_wait();
+  kt_regroup::cuda::block_sync(0);
 }
 
 #define KT_REGROUP_INDEX_ASSERT(cond, fmt, ...)     \
@@ -168,13 +171,7 @@ inline void __syncthreads() {
   } while (0)
 
 inline int __syncthreads_or(int predicate) {
-  const int g = emulation::generation++ & 1;
-  if (predicate) emulation::flag[g].store(1);
-  emulation::barrier->arrive_and_wait();
-  const int any = emulation::flag[g].load();
-  emulation::barrier->arrive_and_wait();
-  if (threadIdx.x == 0) emulation::flag[g].store(0);
-  return any;
+  return kt_regroup::cuda::block_sync(predicate != 0);
 }
 
 #include "kernels.cuh"
@@ -193,48 +190,90 @@ constexpr int kMaxBlockThreads = 1024;
 constexpr size_t kMaxParamBytes = 4096;
 constexpr size_t kMaxStaticShared = 48 * 1024;
 
-// A pool of kThreads threads that runs one block at a time: run(block) returns once
-// every thread has run it.
+// Runs one block at a time as kThreads fibers (ucontext) on the calling thread: each runs
+// until its next __syncthreads or its end, then the next one; a barrier is passed once
+// every fiber that has not ended has reached it. In each phase the fibers run in a random
+// order drawn from the launch's block order (index order for seed < 0): a block's threads
+// interleave in any order on a device. One OS thread instead of kThreads threads that
+// meet at a std::barrier: no context switch through the kernel per thread and barrier.
 class BlockPool {
  public:
-  BlockPool() : start_(kThreads + 1), end_(kThreads + 1), sync_(kThreads) {
+  static constexpr size_t kStack = size_t(256) << 10;
+
+  BlockPool() {
+    void* stacks = mmap(
+        nullptr, kStack * kThreads, PROT_READ | PROT_WRITE,
+        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (stacks == MAP_FAILED) throw std::runtime_error("emulation: no memory for the fibers");
+    stacks_ = static_cast<char*>(stacks);
+  }
+  ~BlockPool() { munmap(stacks_, kStack * kThreads); }
+
+  void run(int64_t block, const std::function<void()>& job, std::mt19937_64* rng) {
+    job_ = &job;
+    blockIdx.x = static_cast<unsigned>(block);
     for (int t = 0; t < kThreads; ++t) {
-      threads_.emplace_back([this, t] {
-        threadIdx.x = static_cast<unsigned>(t);
-        for (;;) {
-          start_.arrive_and_wait();
-          if (stop_) return;
-          blockIdx.x = static_cast<unsigned>(block_);
-          job_();
-          end_.arrive_and_wait();
-        }
-      });
+      ucontext_t& c = fibers_[t];
+      getcontext(&c);
+      c.uc_stack.ss_sp = stacks_ + t * kStack;
+      c.uc_stack.ss_size = kStack;
+      c.uc_link = &scheduler_;
+      makecontext(&c, &BlockPool::fiber, 0);
+      ended_[t] = false;
     }
+    std::iota(order_.begin(), order_.end(), 0);
+    for (int live = kThreads; live > 0;) {
+      if (rng) std::shuffle(order_.begin(), order_.end(), *rng);
+      for (const int t : order_) {
+        if (ended_[t]) continue;
+        current_ = t;
+        threadIdx.x = static_cast<unsigned>(t);
+        swapcontext(&scheduler_, &fibers_[t]);
+        live -= ended_[t];
+      }
+      any_ = any_next_;  // what __syncthreads_or returns after this barrier
+      any_next_ = 0;
+    }
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
-  ~BlockPool() {
-    stop_ = true;
-    start_.arrive_and_wait();
-    for (std::thread& t : threads_) t.join();
-  }
-  void run(int64_t block, const std::function<void()>& job) {
-    block_ = block;
-    job_ = job;
-    emulation::barrier = &sync_;
-    start_.arrive_and_wait();
-    end_.arrive_and_wait();
+
+  // __syncthreads (and __syncthreads_or's predicate): back to the scheduler.
+  int sync(int predicate) {
+    any_next_ |= predicate;
+    swapcontext(&fibers_[current_], &scheduler_);
+    return any_;
   }
 
  private:
-  std::barrier<> start_, end_, sync_;
-  std::vector<std::thread> threads_;
-  std::function<void()> job_;
-  int64_t block_ = 0;
-  bool stop_ = false;
+  static void fiber();
+
+  char* stacks_ = nullptr;
+  ucontext_t scheduler_{};
+  ucontext_t fibers_[kThreads]{};
+  bool ended_[kThreads]{};
+  std::array<int, kThreads> order_{};
+  const std::function<void()>* job_ = nullptr;
+  int current_ = 0, any_ = 0, any_next_ = 0;
+  std::exception_ptr error_;
 };
 
 BlockPool& pool() {
   static BlockPool p;
   return p;
+}
+
+int block_sync(int predicate) {
+  return pool().sync(predicate);
+}
+
+void BlockPool::fiber() {
+  BlockPool& p = pool();
+  try {
+    (*p.job_)();
+  } catch (...) {  // an exception must not unwind past the fiber's stack
+    if (!p.error_) p.error_ = std::current_exception();
+  }
+  p.ended_[p.current_] = true;  // then uc_link: back to the scheduler
 }
 
 // What the traced calls cost (trace_begin / trace_end): launches of ours, their blocks,
@@ -353,13 +392,15 @@ void emulate_launch(int64_t blocks, int threads, Kernel kernel, const Args&... a
   }
   char* const shared = __start_kt_emu_shared;
   const size_t shared_size = __stop_kt_emu_shared - __start_kt_emu_shared;
-  std::vector<char> written(shared_size, 0);  // bytes some block stored to
+  std::vector<char> written(shared_size, 0);   // bytes some block stored to
+  std::optional<std::mt19937_64> threads_rng;  // the order of a block's threads
+  if (order_seed >= 0) threads_rng.emplace(static_cast<uint64_t>(order_seed) * 7919u + launches);
   for (const int64_t b : order) {
     std::memset(shared, 0xFF, shared_size);
     if (emulation::tracing) {
       for (int t = 0; t < kThreads; ++t) emulation::lanes[t].reset();
     }
-    pool().run(b, [&] { kernel(args...); });
+    pool().run(b, [&] { kernel(args...); }, threads_rng ? &*threads_rng : nullptr);
     if (emulation::tracing) trace_block();
     for (size_t k = 0; k < shared_size; ++k) written[k] |= shared[k] != char(0xFF);
   }
