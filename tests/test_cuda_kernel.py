@@ -1,7 +1,8 @@
 """The op library's CUDA kernels (``kt_regroup/csrc/cuda``): one set of checks, run two ways.
 
-* ``emulated``: the kernels' device code on the CPU (``tests/cuda_emulation.cpp``: thread
-  blocks as threads, in a seeded random order, shared memory poisoned before each block,
+* ``emulated``: the kernels' device code on the CPU (``tests/cuda_emulation.cpp``: blocks
+  one at a time and their threads between barriers, each in a seeded random order; shared
+  memory poisoned before each block,
   misaligned 16-byte accesses trapped, launches checked against the device's limits; the
   launches planned and the kernels chosen by the same host code as ``permute.cu``).
   Outputs start filled with a marker (NaN or -77), so an element no kernel writes fails
