@@ -14,7 +14,6 @@
 
 #include "kt_regroup.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
@@ -34,11 +33,9 @@ std::vector<at::Tensor> call_forward(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::SymIntArrayRef out_lengths) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding", "")
-                       .typed<std::vector<at::Tensor>(
-                           at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           c10::SymIntArrayRef)>();
+  static const auto op = op_handle<std::vector<at::Tensor>(
+      at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      c10::SymIntArrayRef)>("kt_regroup::permute_multi_embedding");
   return op.call(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
 }
 
@@ -49,11 +46,9 @@ std::vector<at::Tensor> call_forward_to(
     const at::Tensor& out_shapes,
     c10::SymIntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_to", "")
-                       .typed<std::vector<at::Tensor>(
-                           at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           c10::SymIntArrayRef, std::optional<c10::ScalarType>)>();
+  static const auto op = op_handle<std::vector<at::Tensor>(
+      at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef,
+      std::optional<c10::ScalarType>)>("kt_regroup::permute_multi_embedding_to");
   return op.call(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype);
 }
 
@@ -65,11 +60,10 @@ std::vector<at::Tensor> call_backward(
     c10::SymIntArrayRef in_lengths,
     c10::SymInt batch_size,
     c10::ScalarType dtype) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_backward", "")
-                       .typed<std::vector<at::Tensor>(
-                           const OptionalTensors&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, c10::SymIntArrayRef, c10::SymInt, c10::ScalarType)>();
+  static const auto op = op_handle<std::vector<at::Tensor>(
+      const OptionalTensors&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      c10::SymIntArrayRef, c10::SymInt, c10::ScalarType)>(
+      "kt_regroup::permute_multi_embedding_backward");
   return op.call(
       grad_outputs, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
 }
@@ -80,11 +74,9 @@ void call_into(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     at::TensorList outs) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_into", "")
-                       .typed<void(
-                           at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           at::TensorList)>();
+  static const auto op = op_handle<void(
+      at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList)>(
+      "kt_regroup::permute_multi_embedding_into");
   op.call(pooled_embs, permutes, in_shapes, out_shapes, outs);
 }
 
