@@ -139,11 +139,11 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cuda(
   const bool kernel_dtypes = is_float(dtype) && (!defined || is_float(defined->scalar_type()));
   const bool portable = !kernel_dtypes || grads.size() > kMaxReads;
   // The portable path reads the plan on the host (a sync where it is on the device).
-  const auto plan = check(
+  const auto checked = check(
       {op, Kind::kBackward, grads, batch_size, {}, /*device_kernel=*/!portable},
       {permutes, in_shapes, out_shapes, in_lengths});
   if (portable) {
-    return backward_by_segments(grads, plan->segments, in_lengths, batch_size, dtype, device);
+    return backward_by_segments(grads, checked->segments, in_lengths, batch_size, dtype, device);
   }
   TORCH_CHECK_VALUE(
       device.is_cuda(), "kt_regroup.", op, ": the gradients are on ", device,
