@@ -1,14 +1,15 @@
 // Declarations shared by kt_regroup's C++ files.
 //
-// ops.cpp      the dense ops' schemas (TORCH_LIBRARY), the plan ops kt_regroup_arguments
-//              and regroup_keyed_tensor, the argument checks (check), build info
+// ops.cpp      every schema (TORCH_LIBRARY) but the private diagnostic ops', the plan ops
+//              kt_regroup_arguments and regroup_keyed_tensor, the dense ops' argument
+//              checks (check), build info
 // portable.cpp kernels made of ATen copies, for every device (CompositeExplicitAutograd)
 // cpu.cpp      the native CPU kernels
 // machine_code.h/.cpp  the CPU copy programs as x86-64 machine code
 // cpu_memory.h/.cpp  the CPU kernels' large outputs: a bounded cache of freed blocks
 // autograd.cpp the autograd kernels (the only autograd when this library is loaded)
 // vbe.cpp      the variable-batch ops (permute_multi_embedding_vbe and its backward):
-//              their schemas, checks (check(VbeCall)), CPU and portable kernels, autograd
+//              their checks (check(VbeCall)), CPU and portable kernels, autograd
 // cuda/        the CUDA kernels (kernels.cuh) and their host code and registration
 //              (permute.cu), built when the CUDA toolkit is found
 // The private diagnostic ops (_cpu_memory, _cpu_copy_program, _cpu_machine_code) are

@@ -1,5 +1,6 @@
-// The kt_regroup op library: every schema, the plan ops, and the argument checks that
-// every kernel runs before it touches data.
+// The kt_regroup op library: every schema (but the private diagnostic ops', beside what
+// they report), the plan ops, and the argument checks that every kernel runs before it
+// touches data.
 //
 // Schemas are FBGEMM's where FBGEMM has the op, so each op is a drop-in replacement
 // for its torch.ops.fbgemm namesake. They live here, in C++, so that a TorchScript or
@@ -743,6 +744,13 @@ TORCH_LIBRARY(kt_regroup, m) {
   m.def(
       "regroup_keyed_tensor(Tensor[] pooled_embs, str[][] keys, int[][] lengths, "
       "str[][] groups) -> Tensor[]");
+  m.def(
+      "permute_multi_embedding_vbe(Tensor[] pooled_embs, Tensor?[] indices, Tensor permutes, "
+      "Tensor in_shapes, Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]");
+  m.def(
+      "permute_multi_embedding_vbe_backward(Tensor?[] grad_outputs, Tensor?[] indices, "
+      "Tensor permutes, Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, "
+      "SymInt[] in_rows, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kt_regroup, CompositeExplicitAutograd, m) {

@@ -12,7 +12,7 @@
 // tensor (an op may not return aliases of one allocation); the autograd splits it into
 // per-input views.
 //
-// Schemas, checks, the CPU kernels, a portable kernel (ATen, every device without a
+// The checks, the CPU kernels, a portable kernel (ATen, every device without a
 // kernel of its own) and the autograd live here; the CUDA kernels in cuda/permute.cu and
 // cuda/kernels.cuh (the same sums in the same order: the CPU kernel's bits; indices
 // checked on the device), the fake kernels in kt_regroup/ops.py.
@@ -42,6 +42,10 @@ constexpr const char* kBackward = "permute_multi_embedding_vbe_backward";
 
 // ---- checks ----------------------------------------------------------------------------
 
+bool has_index(const std::vector<std::optional<at::Tensor>>& indices, size_t i) {
+  return !indices.empty() && indices[i].has_value() && indices[i]->defined();
+}
+
 // The index tensors of a call (nullopt: input i has one row per sample), checked against
 // the inputs' row counts: 1-D, int32/int64, the data's device, one length (the batch).
 // Returns the batch size; `rows[i]` is input i's row count.
@@ -57,7 +61,7 @@ int64_t check_indices(
       " inputs; give one per input (None: one row per sample) or none");
   int64_t first = -1;  // the input that fixed the batch size
   for (size_t i = 0; i < rows.size(); ++i) {
-    const bool has = !indices.empty() && indices[i].has_value() && indices[i]->defined();
+    const bool has = has_index(indices, i);
     int64_t n = rows[i];
     if (has) {
       const at::Tensor& idx = *indices[i];
@@ -89,31 +93,25 @@ int64_t check_indices(
 }
 
 // Every index inside its input: the error names the input and the sample.
-template <typename index_t>
-void check_range(const char* op, const at::Tensor& idx, int64_t i, int64_t rows) {
-  const index_t* p = idx.const_data_ptr<index_t>();
-  // A stride-0 index (expand) holds one value whatever its length: checked once.
-  const int64_t s = idx.stride(0), n = s == 0 ? std::min<int64_t>(idx.size(0), 1) : idx.size(0);
-  for (int64_t b = 0; b < n; ++b) {
-    const int64_t v = static_cast<int64_t>(p[b * s]);
-    TORCH_CHECK_INDEX(
-        v >= 0 && v < rows, "kt_regroup.", op, ": indices[", i, "][", b, "] = ", v,
-        " is out of range for input ", i, ", which has ", rows, " rows");
-  }
-}
-
 void check_ranges(
     const char* op,
     const std::vector<std::optional<at::Tensor>>& indices,
     const std::vector<int64_t>& rows) {
   for (size_t i = 0; i < indices.size(); ++i) {
-    if (!indices[i].has_value() || !indices[i]->defined()) continue;
+    if (!has_index(indices, i)) continue;
     const at::Tensor host = indices[i]->is_cpu() ? *indices[i] : indices[i]->cpu();
-    if (host.scalar_type() == at::kInt) {
-      check_range<int32_t>(op, host, static_cast<int64_t>(i), rows[i]);
-    } else {
-      check_range<int64_t>(op, host, static_cast<int64_t>(i), rows[i]);
-    }
+    AT_DISPATCH_INDEX_TYPES(host.scalar_type(), "check_ranges", [&] {
+      const index_t* p = host.const_data_ptr<index_t>();
+      // A stride-0 index (expand) holds one value whatever its length: checked once.
+      const int64_t s = host.stride(0),
+                    n = s == 0 ? std::min<int64_t>(host.size(0), 1) : host.size(0);
+      for (int64_t b = 0; b < n; ++b) {
+        const int64_t v = static_cast<int64_t>(p[b * s]);
+        TORCH_CHECK_INDEX(
+            v >= 0 && v < rows[i], "kt_regroup.", op, ": indices[", i, "][", b, "] = ", v,
+            " is out of range for input ", i, ", which has ", rows[i], " rows");
+      }
+    });
   }
 }
 
@@ -181,10 +179,6 @@ std::vector<at::Tensor> gradient_views(
     offset += n;
   }
   return out;
-}
-
-bool has_index(const std::vector<std::optional<at::Tensor>>& indices, size_t i) {
-  return !indices.empty() && indices[i].has_value() && indices[i]->defined();
 }
 
 // The backward's sums, in unpatched torchrec's order (group_index_select_dim0, then the
@@ -744,16 +738,6 @@ std::vector<at::Tensor> vbe_autograd(
 
 }  // namespace
 }  // namespace kt_regroup
-
-TORCH_LIBRARY_FRAGMENT(kt_regroup, m) {
-  m.def(
-      "permute_multi_embedding_vbe(Tensor[] pooled_embs, Tensor?[] indices, Tensor permutes, "
-      "Tensor in_shapes, Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]");
-  m.def(
-      "permute_multi_embedding_vbe_backward(Tensor?[] grad_outputs, Tensor?[] indices, "
-      "Tensor permutes, Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, "
-      "SymInt[] in_rows, ScalarType dtype) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(kt_regroup, CompositeExplicitAutograd, m) {
   m.impl("permute_multi_embedding_vbe", TORCH_FN(kt_regroup::vbe_portable));
