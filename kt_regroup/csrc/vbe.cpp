@@ -625,36 +625,6 @@ at::Tensor vbe_backward_cpu(
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-std::vector<at::Tensor> call_vbe(
-    at::TensorList pooled_embs,
-    const OptionalTensors& indices,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::SymIntArrayRef out_lengths) {
-  static const auto op = op_handle<std::vector<at::Tensor>(
-      at::TensorList, const OptionalTensors&, const at::Tensor&, const at::Tensor&,
-      const at::Tensor&, c10::SymIntArrayRef)>("kt_regroup::permute_multi_embedding_vbe");
-  return op.call(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
-}
-
-at::Tensor call_vbe_backward(
-    const OptionalTensors& grad_outputs,
-    const OptionalTensors& indices,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::SymIntArrayRef in_lengths,
-    c10::SymIntArrayRef in_rows,
-    c10::ScalarType dtype) {
-  static const auto op = op_handle<at::Tensor(
-      const OptionalTensors&, const OptionalTensors&, const at::Tensor&, const at::Tensor&,
-      const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::ScalarType)>(
-      "kt_regroup::permute_multi_embedding_vbe_backward");
-  return op.call(
-      grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
-}
-
 class VbeFunction : public torch::autograd::Function<VbeFunction> {
  public:
   static variable_list forward(
@@ -694,7 +664,10 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
     ctx->saved_data["in_shapes"] = in_shapes;
     ctx->saved_data["out_shapes"] = out_shapes;
     at::AutoDispatchBelowADInplaceOrView guard;
-    return call_vbe(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+    static const auto op = op_handle<std::vector<at::Tensor>(
+        at::TensorList, const OptionalTensors&, const at::Tensor&, const at::Tensor&,
+        const at::Tensor&, c10::SymIntArrayRef)>("kt_regroup::permute_multi_embedding_vbe");
+    return op.call(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -711,7 +684,11 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
     for (size_t i = 0; i < held.size(); ++i) {
       indices.push_back(present[i] ? std::optional<at::Tensor>(held[i]) : std::nullopt);
     }
-    const at::Tensor flat = call_vbe_backward(
+    static const auto op = op_handle<at::Tensor(
+        const OptionalTensors&, const OptionalTensors&, const at::Tensor&, const at::Tensor&,
+        const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::ScalarType)>(
+        "kt_regroup::permute_multi_embedding_vbe_backward");
+    const at::Tensor flat = op.call(
         grads, indices, saved.at("permutes").toTensor(), saved.at("in_shapes").toTensor(),
         saved.at("out_shapes").toTensor(), widths, rows, saved.at("dtype").toScalarType());
     variable_list out;  // per-input views of the one flat gradient, one op each
