@@ -598,9 +598,7 @@ at::Tensor vbe_backward_cpu(
     c10::IntArrayRef in_lengths,
     c10::IntArrayRef in_rows,
     c10::ScalarType dtype) {
-  const bool native =
-      dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
-  if (!native) {
+  if (!is_float(dtype)) {
     return vbe_backward_portable(
         grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
   }
