@@ -14,7 +14,6 @@
 
 #include "kt_regroup.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
@@ -28,35 +27,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptionalTensors = c10::List<std::optional<at::Tensor>>;
 
-std::vector<at::Tensor> call_forward(
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::SymIntArrayRef out_lengths) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding", "")
-                       .typed<std::vector<at::Tensor>(
-                           at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           c10::SymIntArrayRef)>();
-  return op.call(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
-}
-
-std::vector<at::Tensor> call_forward_to(
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::SymIntArrayRef out_lengths,
-    std::optional<c10::ScalarType> dtype) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_to", "")
-                       .typed<std::vector<at::Tensor>(
-                           at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           c10::SymIntArrayRef, std::optional<c10::ScalarType>)>();
-  return op.call(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype);
-}
-
 std::vector<at::Tensor> call_backward(
     const OptionalTensors& grad_outputs,
     const at::Tensor& permutes,
@@ -65,11 +35,10 @@ std::vector<at::Tensor> call_backward(
     c10::SymIntArrayRef in_lengths,
     c10::SymInt batch_size,
     c10::ScalarType dtype) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_backward", "")
-                       .typed<std::vector<at::Tensor>(
-                           const OptionalTensors&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, c10::SymIntArrayRef, c10::SymInt, c10::ScalarType)>();
+  static const auto op = op_handle<std::vector<at::Tensor>(
+      const OptionalTensors&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      c10::SymIntArrayRef, c10::SymInt, c10::ScalarType)>(
+      "kt_regroup::permute_multi_embedding_backward");
   return op.call(
       grad_outputs, permutes, in_shapes, out_shapes, in_lengths, std::move(batch_size), dtype);
 }
@@ -80,11 +49,9 @@ void call_into(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     at::TensorList outs) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_into", "")
-                       .typed<void(
-                           at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           at::TensorList)>();
+  static const auto op = op_handle<void(
+      at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList)>(
+      "kt_regroup::permute_multi_embedding_into");
   op.call(pooled_embs, permutes, in_shapes, out_shapes, outs);
 }
 
@@ -97,8 +64,14 @@ std::vector<at::Tensor> call_permute(
     c10::SymIntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype,
     bool cast) {
-  return cast ? call_forward_to(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype)
-              : call_forward(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  static const auto forward = op_handle<std::vector<at::Tensor>(
+      at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      c10::SymIntArrayRef)>("kt_regroup::permute_multi_embedding");
+  static const auto to = op_handle<std::vector<at::Tensor>(
+      at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef,
+      std::optional<c10::ScalarType>)>("kt_regroup::permute_multi_embedding_to");
+  return cast ? to.call(pooled_embs, permutes, in_shapes, out_shapes, out_lengths, dtype)
+              : forward.call(pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
 }
 
 // Autograd's undefined gradients are the op's None.
@@ -248,9 +221,9 @@ class PermuteBackwardFunction : public torch::autograd::Function<PermuteBackward
       const at::Tensor& g = grad_grads[i];
       inputs.push_back(g.defined() ? g : at::zeros_symint({batch, in_lengths[i]}, options));
     }
-    const variable_list all = call_forward_to(
+    const variable_list all = call_permute(
         inputs, saved.at("permutes").toTensor(), saved.at("in_shapes").toTensor(), out_shapes,
-        out_lengths, saved.at("grad_dtype").toScalarType());
+        out_lengths, saved.at("grad_dtype").toScalarType(), /*cast=*/true);
     variable_list grads;
     for (const c10::IValue& j : saved.at("positions").toListRef()) grads.push_back(all[j.toInt()]);
     // positions, n_out, permutes, in_shapes, out_shapes, in_lengths, batch_size, dtype

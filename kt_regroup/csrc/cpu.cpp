@@ -717,8 +717,9 @@ std::vector<at::Tensor> permute_multi_embedding_cpu(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths) {
-  const std::shared_ptr<const CheckedPlan> plan = check_forward_plan(
-      "permute_multi_embedding", pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
+  const std::shared_ptr<const CheckedPlan> plan = check(
+      {"permute_multi_embedding", Kind::kForward, pointers(pooled_embs)},
+      {permutes, in_shapes, out_shapes, out_lengths});
   const at::Tensor& first = pooled_embs[0];
   const int64_t batch = first.size(0);
   // Every column written exactly once: skip the zero fill.
@@ -738,9 +739,9 @@ std::vector<at::Tensor> permute_multi_embedding_to_cpu(
     std::optional<c10::ScalarType> dtype) {
   // With a dtype, inputs may differ in dtype (fp16/bf16 embeddings next to fp32 dense
   // features): each is cast in the copy.
-  const std::shared_ptr<const CheckedPlan> plan = check_forward_plan(
-      "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
-      /*same_dtype=*/!dtype.has_value());
+  const std::shared_ptr<const CheckedPlan> plan = check(
+      {"permute_multi_embedding_to", dtype ? Kind::kCast : Kind::kForward, pointers(pooled_embs)},
+      {permutes, in_shapes, out_shapes, out_lengths});
   const std::vector<Segment>& segments = plan->segments;
   const at::Tensor& first = pooled_embs[0];
   const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
@@ -789,8 +790,12 @@ void permute_multi_embedding_into_cpu(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     at::TensorList outs) {
-  const std::shared_ptr<const CheckedPlan> plan =
-      prepare_into_plan(pooled_embs, permutes, in_shapes, out_shapes, outs);
+  const std::shared_ptr<const CheckedPlan> plan = check(
+      {"permute_multi_embedding_into", Kind::kInto, pointers(pooled_embs), 0, outs},
+      {permutes, in_shapes, out_shapes});
+  if (!plan->tiled) {
+    for (const at::Tensor& t : outs) t.zero_();
+  }
   permute_plan_into(pooled_embs, *plan, outs, /*warm=*/true);
 }
 
@@ -1096,12 +1101,14 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
     int64_t batch_size,
     c10::ScalarType dtype) {
   std::vector<std::optional<at::Tensor>> held;
-  const TensorPtrs grads = grad_pointers(grad_outputs, held);
-  const std::shared_ptr<const CheckedPlan> plan = check_backward_plan(
-      "permute_multi_embedding_backward", grads, permutes, in_shapes, out_shapes, in_lengths,
-      batch_size);
+  const Call call{
+      "permute_multi_embedding_backward", Kind::kBackward, grad_pointers(grad_outputs, held),
+      batch_size};
+  const std::shared_ptr<const CheckedPlan> plan =
+      check(call, {permutes, in_shapes, out_shapes, in_lengths});
+  const TensorPtrs& grads = call.tensors;
   const c10::Device device = gradients_device(grads, permutes);
-  // The gradients' dtype (check_backward: one for all), the dtype's when there are none.
+  // The gradients' dtype (check: one for all), the dtype's when there are none.
   c10::ScalarType grad_dtype = dtype;
   for (const at::Tensor* g : grads) {
     if (g) grad_dtype = g->scalar_type();

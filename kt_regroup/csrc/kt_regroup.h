@@ -1,21 +1,24 @@
 // Declarations shared by kt_regroup's C++ files.
 //
-// ops.cpp      the main ops' schemas (TORCH_LIBRARY), the plan ops kt_regroup_arguments and
-//              regroup_keyed_tensor, argument checks, build info
+// ops.cpp      every schema (TORCH_LIBRARY) but the private diagnostic ops', the plan ops
+//              kt_regroup_arguments and regroup_keyed_tensor, the dense ops' argument
+//              checks (check), build info
 // portable.cpp kernels made of ATen copies, for every device (CompositeExplicitAutograd)
 // cpu.cpp      the native CPU kernels
 // machine_code.h/.cpp  the CPU copy programs as x86-64 machine code
 // cpu_memory.h/.cpp  the CPU kernels' large outputs: a bounded cache of freed blocks
 // autograd.cpp the autograd kernels (the only autograd when this library is loaded)
 // vbe.cpp      the variable-batch ops (permute_multi_embedding_vbe and its backward):
-//              schemas, checks, CPU and portable kernels, autograd
+//              their checks (check(VbeCall)), CPU and portable kernels, autograd
 // cuda/        the CUDA kernels (kernels.cuh) and their host code and registration
 //              (permute.cu), built when the CUDA toolkit is found
 // The private diagnostic ops (_cpu_memory, _cpu_copy_program, _cpu_machine_code) are
-// defined beside what they report, in cpu_memory.cpp and machine_code.cpp.
+// defined, schemas included, beside what they report, in cpu_memory.cpp and
+// machine_code.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/SmallVector.h>
 
@@ -54,12 +57,6 @@ inline bool is_float(c10::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
 
-// The plan where the host reads it without waiting for a device.
-inline bool on_host(
-    const at::Tensor& permutes, const at::Tensor& in_shapes, const at::Tensor& out_shapes) {
-  return permutes.is_cpu() && in_shapes.is_cpu() && out_shapes.is_cpu();
-}
-
 // `t` with its lazy conjugate and negative bits resolved (the kernels copy bytes).
 inline at::Tensor resolve_lazy(const at::Tensor& t) {
   at::Tensor r = t.is_conj() ? t.resolve_conj() : t;
@@ -75,49 +72,56 @@ inline c10::Device gradients_device(const TensorPtrs& grads, const at::Tensor& p
   return permutes.device();
 }
 
-// A dense (strided, not quantized, not nested) tensor, or a TypeError naming `name[i]`
-// (`name` alone for i < 0).
-void check_dense(const char* op, const char* name, int64_t i, const at::Tensor& t);
+// The dispatcher's handle of the op `name` ("kt_regroup::..."), for a static at the caller.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
 
-// `batch` rows of each of `lengths` fit in int64 bytes (a 16-byte dtype), or a ValueError
-// naming `name[j]`: checked before any output is allocated.
-void check_output_elements(
-    const char* op, const char* name, c10::IntArrayRef lengths, int64_t batch);
+// The tensors of a Tensor[] argument as pointers.
+inline TensorPtrs pointers(at::TensorList tensors) {
+  TensorPtrs out;
+  for (const at::Tensor& t : tensors) out.push_back(&t);
+  return out;
+}
 
-// The checks of a call that read no tensor data (dims, dtypes, devices, batch sizes, the
-// metadata's shapes and dtypes, negative sizes): what a kernel whose plan is on a device
-// runs without a host sync (the CUDA kernels).
-//   forward:  ptrs = pooled_embs, lengths = out_lengths, batch_size = nullopt
-//   backward: ptrs = grad_outputs, lengths = in_lengths, batch_size given
-// `same_batch`: the tensors share one row count (false: the variable-batch op's inputs).
-void check_without_data(
-    const char* op,
-    const TensorPtrs& ptrs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef lengths,
-    std::optional<int64_t> batch_size,
-    bool same_dtype,
-    bool same_batch = true);
+// The plan arguments of every op: the permute rows, the widths they declare, and the
+// widths the call gives (out_lengths for a forward, in_lengths for a backward; the _into
+// op's come from its outputs).
+struct PlanArgs {
+  const at::Tensor& permutes;
+  const at::Tensor& in_shapes;
+  const at::Tensor& out_shapes;
+  c10::IntArrayRef lengths = {};
 
-// Checks a forward call (inputs, metadata, widths, every permute row) and returns its
-// rows as segments, adjacent contiguous rows merged and empty rows dropped. Nothing is
-// read or written by a kernel before this returns. `same_dtype`: all inputs share one
-// dtype (false only for the fused cast, which casts each input).
-std::vector<Segment> check_forward(
-    const char* op,
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths,
-    bool same_dtype = true);
+  // The plan is where the host reads it without waiting for a device.
+  bool on_host() const { return permutes.is_cpu() && in_shapes.is_cpu() && out_shapes.is_cpu(); }
+};
 
-// A plan that passed check_forward or check_backward: its segments, whether they write
-// every output column exactly once (segments_tile_outputs), the outputs' widths, and
-// slots where a kernel keeps what it compiles from the segments (the CPU kernel's copy
-// programs). Written only by the thread that got the plan: the plan cache is per thread.
+// What a call's tensors are, for check().
+enum class Kind : uint8_t {
+  kForward,   // permute_multi_embedding{,_to}: inputs of one dtype and one batch size
+  kCast,      // permute_multi_embedding_to with a dtype: inputs of any dtypes (each cast)
+  kInto,      // permute_multi_embedding_into: `outs` are the caller's outputs
+  kVbe,       // the variable-batch forward's plan: inputs of their own row counts
+  kBackward,  // the backward ops: upstream gradients (nullptr: None) and a batch size
+};
+
+struct Call {
+  const char* op;
+  Kind kind;
+  TensorPtrs tensors;        // the inputs, or the upstream gradients
+  int64_t batch_size = 0;    // kBackward
+  at::TensorList outs = {};  // kInto
+  // The kernel reads the plan on its device (CUDA): where the plan is there, only the
+  // checks that read no data run (no host sync) and no plan is returned.
+  bool device_kernel = false;
+};
+
+// A plan that passed check(): its segments, whether they write every output column
+// exactly once (segments_tile_outputs), the outputs' widths, and slots where a kernel
+// keeps what it compiles from the segments (the CPU kernel's copy programs). Written only
+// by the thread that got the plan: the plan cache is per thread.
 struct CheckedPlan {
   std::vector<Segment> segments;
   bool tiled = false;
@@ -128,67 +132,53 @@ struct CheckedPlan {
   mutable std::shared_ptr<void> backward;
 };
 
-// check_forward, remembered per thread: a call whose metadata tensors are contiguous CPU
-// tensors holding the same values as a checked call's, with the same widths, runs only
-// the checks that read no data (dims, devices, dtypes, batch sizes, metadata shapes) and
-// gets that call's plan. The values are compared in full (no identity, version or
-// pointer is trusted), so the guarantee holds whatever the caller modified in between.
-std::shared_ptr<const CheckedPlan> check_forward_plan(
-    const char* op,
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths,
-    bool same_dtype = true);
+// The argument checks of the dense ops (ops.cpp), the one entry point of every kernel:
+// nothing is read or written by a kernel before it returns. Checks the tensors (dense,
+// 2-D, one device, dtypes, batch sizes), the caller's outputs (kInto: shapes, strides, no
+// overlap), the metadata's shapes and dtypes, the sizes, and, where the plan is read on
+// the host, the plan's values: declared widths against the tensors, every permute row
+// inside its tensors. Returns the rows as segments, adjacent contiguous rows merged and
+// empty rows dropped; nullptr for a device kernel whose plan is on its device.
+//
+// Remembered per thread (both directions share one cache): a call whose metadata
+// tensors are contiguous CPU tensors holding the same values as a checked call's, with
+// the same widths, runs only the checks that read no plan values and gets that call's
+// plan. The values are compared in full (no identity, version or pointer is trusted), so
+// the guarantee holds whatever the caller modified in between. kVbe is not cached.
+std::shared_ptr<const CheckedPlan> check(const Call& call, const PlanArgs& plan);
 
-// The same for a backward call; `grads` may hold nullptr (None: zeros). Through the same
-// per-thread cache as check_forward_plan (a plan checked by either serves both).
-std::shared_ptr<const CheckedPlan> check_backward_plan(
-    const char* op,
-    const TensorPtrs& grads,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef in_lengths,
-    int64_t batch_size);
+// A variable-batch call for check() (vbe.cpp): the forward's inputs, or the backward's
+// gradients (nullptr: None) with the inputs' row counts and dtype.
+struct VbeCall {
+  bool backward;
+  TensorPtrs tensors;
+  const c10::List<std::optional<at::Tensor>>& indices;
+  c10::IntArrayRef in_rows = {};       // backward
+  c10::ScalarType dtype = at::kFloat;  // backward
+  // As Call's; the indices' values are then checked by the kernels (reading them here
+  // would wait for the device).
+  bool device_kernel = false;
+};
 
-// check_backward_plan's segments.
-std::vector<Segment> check_backward(
-    const char* op,
-    const TensorPtrs& grads,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef in_lengths,
-    int64_t batch_size);
+struct VbeChecked {
+  std::shared_ptr<const CheckedPlan> plan;  // nullptr as check()'s
+  std::vector<std::optional<at::Tensor>> indices;
+  int64_t batch;
+};
 
-// The caller-owned outputs of a permute_multi_embedding_into call (2-D, batch, dtype,
-// device, unit column stride, rows that share no memory, no overlap by address with the
-// inputs or each other whatever their Storage, no inference tensor outside inference
-// mode); reads no tensor data. Returns their widths (the call's out_lengths).
-PerTensor<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList outs);
+// The variable-batch ops' checks: check()'s for the plan, then the indices (1-D,
+// int32/int64, the data's device, one length: the batch; and every value inside its
+// input where the host reads them) and the sizes.
+VbeChecked check(const VbeCall& call, const PlanArgs& plan);
 
-// check_into_outs, then everything check_forward checks. Zeroes the outputs unless the
-// segments write every column; the kernel then copies the returned segments.
-std::vector<Segment> prepare_into(
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    at::TensorList outs);
+// A dense (strided, not quantized, not nested) tensor, or a TypeError naming `name[i]`
+// (`name` alone for i < 0).
+void check_dense(const char* op, const char* name, int64_t i, const at::Tensor& t);
 
-// prepare_into, returning the checked plan (check_forward_plan).
-std::shared_ptr<const CheckedPlan> prepare_into_plan(
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    at::TensorList outs);
-
-// Whether the segments write every column of every output exactly once, in order
-// (then outputs need no zero fill).
-bool segments_tile_outputs(const std::vector<Segment>& segments, c10::IntArrayRef out_lengths);
+// `batch` rows of each of `lengths` fit in int64 bytes (a 16-byte dtype), or a ValueError
+// naming `name[j]`: checked before any output is allocated.
+void check_output_elements(
+    const char* op, const char* name, c10::IntArrayRef lengths, int64_t batch);
 
 // The backward by ATen ops: zeros, then += per segment in row order; float16/bfloat16
 // accumulate in float32 and round once. The portable kernel, and the CPU kernel's path
@@ -206,37 +196,6 @@ std::vector<at::Tensor> backward_by_segments(
 TensorPtrs grad_pointers(
     const c10::List<std::optional<at::Tensor>>& grad_outputs,
     std::vector<std::optional<at::Tensor>>& held);
-
-// check_forward for inputs whose row counts differ (the variable-batch op, vbe.cpp):
-// everything check_forward checks except one batch size for all inputs.
-std::vector<Segment> check_forward_rows(
-    const char* op,
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths);
-
-// vbe.cpp, for the variable-batch ops' CUDA kernels (cuda/permute.cu): their checks,
-// returning the batch size. Everything the CPU kernels check where the plan (permutes,
-// in_shapes, out_shapes) is on the CPU, else what reads no data (check_without_data);
-// the indices' values never (that would wait for the device: the kernels check them).
-int64_t check_vbe_forward_on_device(
-    at::TensorList pooled_embs,
-    const c10::List<std::optional<at::Tensor>>& indices,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths);
-int64_t check_vbe_backward_on_device(
-    const c10::List<std::optional<at::Tensor>>& grad_outputs,
-    const c10::List<std::optional<at::Tensor>>& indices,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef in_lengths,
-    c10::IntArrayRef in_rows,
-    c10::ScalarType dtype);
 
 // The variable-batch backward by ATen ops (index_add_; vbe.cpp): every device without a
 // kernel of its own, and the dtypes the CUDA kernel does not take.

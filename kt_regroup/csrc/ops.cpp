@@ -1,5 +1,6 @@
-// The kt_regroup op library: every schema, the plan ops, and the argument checks that
-// every kernel runs before it touches data.
+// The kt_regroup op library: every schema (but the private diagnostic ops', beside what
+// they report), the plan ops, and the argument checks that every kernel runs before it
+// touches data.
 //
 // Schemas are FBGEMM's where FBGEMM has the op, so each op is a drop-in replacement
 // for its torch.ops.fbgemm namesake. They live here, in C++, so that a TorchScript or
@@ -113,12 +114,12 @@ void check_tensor_list(
 // Shapes and dtypes of the metadata; `data` is the device the kernel computes on.
 void check_metadata(
     const char* op,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
+    const PlanArgs& args,
     size_t n_in,
     size_t n_out,
     std::optional<c10::Device> data) {
+  const at::Tensor &permutes = args.permutes, &in_shapes = args.in_shapes,
+                   &out_shapes = args.out_shapes;
   TORCH_CHECK_VALUE(
       permutes.dim() == 2 && permutes.size(1) == kPermuteColumns, "kt_regroup.", op,
       ": permutes must have shape [n, ", kPermuteColumns,
@@ -237,60 +238,20 @@ std::vector<Segment> check_rows(
   return segments;
 }
 
-}  // namespace
-
-// ---- the checks that read no tensor data ---------------------------------------------------
-// What a kernel whose plan is on a device runs instead of check_forward/check_backward
-// (the CUDA kernels), with the same messages: dims, dtypes, devices, batch sizes, the
-// metadata's shapes and dtypes, negative sizes. The checks that read values (in_shapes /
-// out_shapes against the sizes, every row inside its tensors) are left out: on a device
-// they would copy the plan to the host and wait.
-void check_without_data(
-    const char* op,
-    const TensorPtrs& ptrs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef lengths,
-    std::optional<int64_t> batch_size,
-    bool same_dtype,
-    bool same_batch) {
-  const bool backward = batch_size.has_value();
-  const char* name = backward ? "grad_outputs" : "pooled_embs";
-  const char* lengths_name = backward ? "in_lengths" : "out_lengths";
-  std::optional<c10::Device> device;
-  const bool any = std::any_of(ptrs.begin(), ptrs.end(), [](const at::Tensor* t) { return t; });
-  if (!backward || any) {
-    check_tensor_list(op, name, ptrs, same_dtype, same_batch);
-    for (const at::Tensor* t : ptrs) {
-      if (t) device = t->device();
-    }
+// Whether the segments write every column of every output exactly once, in order
+// (then outputs need no zero fill).
+bool segments_tile_outputs(const std::vector<Segment>& segments, c10::IntArrayRef out_lengths) {
+  // Sufficient test: per output, segments arrive in increasing, gap-free order.
+  std::vector<int64_t> next(out_lengths.size(), 0);
+  for (const Segment& s : segments) {
+    if (s.out_off != next[s.out_t]) return false;
+    next[s.out_t] += s.length;
   }
-  if (backward) {
-    TORCH_CHECK_VALUE(
-        *batch_size >= 0, "kt_regroup.", op, ": batch_size is negative (", *batch_size, ")");
-    for (size_t j = 0; j < ptrs.size(); ++j) {
-      TORCH_CHECK_VALUE(
-          !ptrs[j] || ptrs[j]->size(0) == *batch_size, "kt_regroup.", op, ": grad_outputs[", j,
-          "] has ", ptrs[j] ? ptrs[j]->size(0) : 0, " rows, expected batch_size ", *batch_size);
-    }
+  for (size_t j = 0; j < out_lengths.size(); ++j) {
+    if (next[j] != out_lengths[j]) return false;
   }
-  for (size_t j = 0; j < lengths.size(); ++j) {
-    TORCH_CHECK_VALUE(
-        lengths[j] >= 0, "kt_regroup.", op, ": ", lengths_name, "[", j, "] is negative (",
-        lengths[j], ")");
-  }
-  if (backward) {
-    check_output_elements(op, lengths_name, lengths, *batch_size);
-  } else if (same_batch) {
-    check_output_elements(op, lengths_name, lengths, ptrs[0]->size(0));
-  }
-  const size_t n_in = backward ? lengths.size() : ptrs.size();
-  const size_t n_out = backward ? ptrs.size() : lengths.size();
-  check_metadata(op, permutes, in_shapes, out_shapes, n_in, n_out, device);
+  return true;
 }
-
-namespace {
 
 // grad_outputs[j] (when given) is [batch_size, width].
 void check_grad_shape(
@@ -301,57 +262,40 @@ void check_grad_shape(
       grads[j] ? shape_str(grads[j]->sizes()) : "", ", expected (", batch_size, ", ", width, ")");
 }
 
-// The value checks of check_forward (after the data-free ones), as a plan.
-std::shared_ptr<CheckedPlan> check_forward_values(
-    const char* op,
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths) {
-  std::vector<int64_t> in_widths;
-  for (const at::Tensor& t : pooled_embs) in_widths.push_back(t.size(1));
-  const std::vector<int64_t> out_widths(out_lengths.begin(), out_lengths.end());
-  check_declared(op, "out_shapes", read_values(out_shapes), "out_lengths", out_widths);
-  const std::vector<int64_t> in_declared = read_values(in_shapes);
-  for (size_t i = 0; i < in_widths.size(); ++i) {
-    TORCH_CHECK_VALUE(
-        in_declared[i] == in_widths[i], "kt_regroup.", op, ": in_shapes[", i, "]=", in_declared[i],
-        " but pooled_embs[", i, "] has ", in_widths[i], " columns");
-  }
+// The checks that read the plan's values (after the others), as a plan: the declared
+// widths against the tensors' and the call's, and every permute row.
+std::shared_ptr<CheckedPlan> check_values(
+    const Call& call, const PlanArgs& args, c10::IntArrayRef lengths) {
+  const char* op = call.op;
   auto plan = std::make_shared<CheckedPlan>();
-  plan->segments = check_rows(op, permutes, in_widths, out_widths);
-  plan->tiled = segments_tile_outputs(plan->segments, out_lengths);
-  plan->out_widths = out_widths;
+  std::vector<int64_t> in_widths(lengths.begin(), lengths.end());
+  if (call.kind == Kind::kBackward) {
+    plan->out_widths = read_values(args.out_shapes);
+    for (size_t j = 0; j < call.tensors.size(); ++j) {
+      TORCH_CHECK_VALUE(
+          plan->out_widths[j] >= 0, "kt_regroup.", op, ": out_shapes[", j, "] is negative (",
+          plan->out_widths[j], ")");
+      check_grad_shape(op, call.tensors, j, call.batch_size, plan->out_widths[j]);
+    }
+    check_declared(op, "in_shapes", read_values(args.in_shapes), "in_lengths", in_widths);
+  } else {
+    plan->out_widths = std::move(in_widths);
+    check_declared(op, "out_shapes", read_values(args.out_shapes), "out_lengths", plan->out_widths);
+    in_widths.clear();
+    for (const at::Tensor* t : call.tensors) in_widths.push_back(t->size(1));
+    const std::vector<int64_t> in_declared = read_values(args.in_shapes);
+    for (size_t i = 0; i < in_widths.size(); ++i) {
+      TORCH_CHECK_VALUE(
+          in_declared[i] == in_widths[i], "kt_regroup.", op, ": in_shapes[", i,
+          "]=", in_declared[i], " but pooled_embs[", i, "] has ", in_widths[i], " columns");
+    }
+  }
+  plan->segments = check_rows(op, args.permutes, in_widths, plan->out_widths);
+  plan->tiled = segments_tile_outputs(plan->segments, plan->out_widths);
   return plan;
 }
 
-// The checks of a backward call that read values (after the data-free ones), as a plan.
-std::shared_ptr<CheckedPlan> check_backward_values(
-    const char* op,
-    const TensorPtrs& grads,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef in_lengths,
-    int64_t batch_size) {
-  const std::vector<int64_t> out_widths = read_values(out_shapes);
-  for (size_t j = 0; j < grads.size(); ++j) {
-    TORCH_CHECK_VALUE(
-        out_widths[j] >= 0, "kt_regroup.", op, ": out_shapes[", j, "] is negative (", out_widths[j],
-        ")");
-    check_grad_shape(op, grads, j, batch_size, out_widths[j]);
-  }
-  const std::vector<int64_t> in_widths(in_lengths.begin(), in_lengths.end());
-  check_declared(op, "in_shapes", read_values(in_shapes), "in_lengths", in_widths);
-  auto plan = std::make_shared<CheckedPlan>();
-  plan->segments = check_rows(op, permutes, in_widths, out_widths);
-  plan->tiled = segments_tile_outputs(plan->segments, out_widths);
-  plan->out_widths = out_widths;
-  return plan;
-}
-
-// The per-thread cache of check_forward_plan and check_backward_plan: the last few checked
+// The per-thread cache of check(): the last few checked
 // plans, each with the exact bytes of its metadata tensors and the input widths it was
 // checked against (its output widths are the values of out_shapes, which the checks
 // compared with out_lengths or the upstream gradients). One plan serves both directions.
@@ -441,119 +385,14 @@ class PlanCache {
   size_t next_ = 0;
 };
 
-}  // namespace
-
-std::shared_ptr<const CheckedPlan> check_forward_plan(
-    const char* op,
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths,
-    bool same_dtype) {
-  TensorPtrs ptrs;
-  for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
-  check_tensor_list(op, "pooled_embs", ptrs, same_dtype);
-  check_metadata(
-      op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size(),
-      pooled_embs[0].device());
-  check_output_elements(op, "out_lengths", out_lengths, pooled_embs[0].size(0));
-  const at::Tensor* const meta[3] = {&permutes, &in_shapes, &out_shapes};
-  if (!PlanCache::cacheable(meta)) {
-    return check_forward_values(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
-  }
-  PerTensor<int64_t> in_widths;
-  for (const at::Tensor& t : pooled_embs) in_widths.push_back(t.size(1));
-  PlanCache& cache = PlanCache::get();
-  if (auto plan = cache.find(meta, in_widths, out_lengths)) return plan;
-  std::shared_ptr<const CheckedPlan> plan =
-      check_forward_values(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
-  cache.add(meta, in_widths, plan);
-  return plan;
-}
-
-std::vector<Segment> check_forward(
-    const char* op,
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths,
-    bool same_dtype) {
-  return check_forward_plan(
-             op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, same_dtype)
-      ->segments;
-}
-
-std::vector<Segment> check_forward_rows(
-    const char* op,
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths) {
-  // check_forward without the one-batch-size check (inputs of variable rows), uncached.
-  TensorPtrs ptrs;
-  for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
-  check_tensor_list(op, "pooled_embs", ptrs, /*same_dtype=*/true, /*same_batch=*/false);
-  check_metadata(
-      op, permutes, in_shapes, out_shapes, pooled_embs.size(), out_lengths.size(),
-      pooled_embs[0].device());
-  return check_forward_values(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths)
-      ->segments;
-}
-
-std::shared_ptr<const CheckedPlan> check_backward_plan(
-    const char* op,
-    const TensorPtrs& grads,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef in_lengths,
-    int64_t batch_size) {
-  std::optional<c10::Device> device;
-  if (std::any_of(grads.begin(), grads.end(), [](const at::Tensor* g) { return g; })) {
-    check_tensor_list(op, "grad_outputs", grads);
-    device = gradients_device(grads, permutes);
-  }
-  TORCH_CHECK_VALUE(
-      batch_size >= 0, "kt_regroup.", op, ": batch_size is negative (", batch_size, ")");
-  check_output_elements(op, "in_lengths", in_lengths, batch_size);
-  check_metadata(op, permutes, in_shapes, out_shapes, in_lengths.size(), grads.size(), device);
-  const at::Tensor* const meta[3] = {&permutes, &in_shapes, &out_shapes};
-  if (!PlanCache::cacheable(meta)) {
-    return check_backward_values(
-        op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size);
-  }
-  PlanCache& cache = PlanCache::get();
-  if (auto plan = cache.find(meta, in_lengths, std::nullopt)) {
-    for (size_t j = 0; j < grads.size(); ++j) {
-      check_grad_shape(op, grads, j, batch_size, plan->out_widths[j]);
-    }
-    return plan;
-  }
-  std::shared_ptr<const CheckedPlan> plan =
-      check_backward_values(op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size);
-  cache.add(meta, in_lengths, plan);
-  return plan;
-}
-
-std::vector<Segment> check_backward(
-    const char* op,
-    const TensorPtrs& grads,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef in_lengths,
-    int64_t batch_size) {
-  return check_backward_plan(op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size)
-      ->segments;
-}
-
-PerTensor<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList outs) {
+// The caller-owned outputs of a permute_multi_embedding_into call (2-D, batch, dtype,
+// device, unit column stride, rows that share no memory, no overlap by address with the
+// inputs or each other whatever their Storage, no inference tensor outside inference
+// mode); reads no tensor data. Returns their widths (the call's out_lengths).
+PerTensor<int64_t> check_into_outs(const TensorPtrs& pooled_embs, at::TensorList outs) {
   const char* op = "permute_multi_embedding_into";
   TORCH_CHECK_VALUE(!pooled_embs.empty(), "kt_regroup.", op, ": pooled_embs is empty");
-  const at::Tensor& first = pooled_embs[0];
+  const at::Tensor& first = *pooled_embs[0];
   PerTensor<int64_t> widths;
   for (size_t j = 0; j < outs.size(); ++j) {
     const at::Tensor& t = outs[j];
@@ -608,7 +447,7 @@ PerTensor<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList ou
   for (size_t j = 0; j < outs.size(); ++j) {
     for (size_t i = 0; i < pooled_embs.size(); ++i) {
       TORCH_CHECK_VALUE(
-          !overlaps(outs[j], pooled_embs[i]), "kt_regroup.", op, ": outs[", j,
+          !overlaps(outs[j], *pooled_embs[i]), "kt_regroup.", op, ": outs[", j,
           "] overlaps pooled_embs[", i, "] in memory; outputs must not alias the inputs");
     }
     for (size_t k = 0; k < j; ++k) {
@@ -620,41 +459,66 @@ PerTensor<int64_t> check_into_outs(at::TensorList pooled_embs, at::TensorList ou
   return widths;
 }
 
-std::shared_ptr<const CheckedPlan> prepare_into_plan(
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    at::TensorList outs) {
-  const PerTensor<int64_t> widths = check_into_outs(pooled_embs, outs);
-  std::shared_ptr<const CheckedPlan> plan = check_forward_plan(
-      "permute_multi_embedding_into", pooled_embs, permutes, in_shapes, out_shapes, widths);
-  if (!plan->tiled) {
-    for (const at::Tensor& t : outs) t.zero_();
+}  // namespace
+
+std::shared_ptr<const CheckedPlan> check(const Call& call, const PlanArgs& args) {
+  const char* op = call.op;
+  const TensorPtrs& ts = call.tensors;
+  const bool backward = call.kind == Kind::kBackward;
+  const bool same_batch = call.kind != Kind::kVbe;
+  PerTensor<int64_t> into_widths;
+  if (call.kind == Kind::kInto) into_widths = check_into_outs(ts, call.outs);
+  const c10::IntArrayRef lengths = call.kind == Kind::kInto ? into_widths : args.lengths;
+  const char* lengths_name = backward ? "in_lengths" : "out_lengths";
+  // Without the plan's values: on a device they would be copied to the host, a wait.
+  const bool values = !call.device_kernel || args.on_host();
+  std::optional<c10::Device> device;
+  if (!backward || std::any_of(ts.begin(), ts.end(), [](const at::Tensor* t) { return t; })) {
+    check_tensor_list(
+        op, backward ? "grad_outputs" : "pooled_embs", ts, call.kind != Kind::kCast, same_batch);
+    device = gradients_device(ts, args.permutes);
   }
+  const int64_t batch = backward ? call.batch_size : ts[0]->size(0);
+  if (backward) {
+    TORCH_CHECK_VALUE(batch >= 0, "kt_regroup.", op, ": batch_size is negative (", batch, ")");
+  }
+  if (!values) {  // the value checks find these otherwise
+    for (size_t j = 0; backward && j < ts.size(); ++j) {
+      TORCH_CHECK_VALUE(
+          !ts[j] || ts[j]->size(0) == batch, "kt_regroup.", op, ": grad_outputs[", j, "] has ",
+          ts[j] ? ts[j]->size(0) : 0, " rows, expected batch_size ", batch);
+    }
+    for (size_t j = 0; j < lengths.size(); ++j) {
+      TORCH_CHECK_VALUE(
+          lengths[j] >= 0, "kt_regroup.", op, ": ", lengths_name, "[", j, "] is negative (",
+          lengths[j], ")");
+    }
+  }
+  const size_t n_in = backward ? lengths.size() : ts.size();
+  const size_t n_out = backward ? ts.size() : lengths.size();
+  // A forward that reads the plan's values checks the metadata before the sizes.
+  const bool metadata_first = values && !backward;
+  if (metadata_first) check_metadata(op, args, n_in, n_out, device);
+  if (same_batch) check_output_elements(op, lengths_name, lengths, batch);
+  if (!metadata_first) check_metadata(op, args, n_in, n_out, device);
+  if (!values) return nullptr;
+  const at::Tensor* const meta[3] = {&args.permutes, &args.in_shapes, &args.out_shapes};
+  if (!same_batch || !PlanCache::cacheable(meta)) return check_values(call, args, lengths);
+  PerTensor<int64_t> in_widths;
+  if (!backward) {
+    for (const at::Tensor* t : ts) in_widths.push_back(t->size(1));
+  }
+  const c10::IntArrayRef widths = backward ? lengths : c10::IntArrayRef(in_widths);
+  PlanCache& cache = PlanCache::get();
+  if (auto plan = cache.find(meta, widths, backward ? std::nullopt : std::optional(lengths))) {
+    for (size_t j = 0; backward && j < ts.size(); ++j) {
+      check_grad_shape(op, ts, j, batch, plan->out_widths[j]);
+    }
+    return plan;
+  }
+  std::shared_ptr<const CheckedPlan> plan = check_values(call, args, lengths);
+  cache.add(meta, widths, plan);
   return plan;
-}
-
-std::vector<Segment> prepare_into(
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    at::TensorList outs) {
-  return prepare_into_plan(pooled_embs, permutes, in_shapes, out_shapes, outs)->segments;
-}
-
-bool segments_tile_outputs(const std::vector<Segment>& segments, c10::IntArrayRef out_lengths) {
-  // Sufficient test: per output, segments arrive in increasing, gap-free order.
-  std::vector<int64_t> next(out_lengths.size(), 0);
-  for (const Segment& s : segments) {
-    if (s.out_off != next[s.out_t]) return false;
-    next[s.out_t] += s.length;
-  }
-  for (size_t j = 0; j < out_lengths.size(); ++j) {
-    if (next[j] != out_lengths[j]) return false;
-  }
-  return true;
 }
 
 TensorPtrs grad_pointers(
@@ -836,17 +700,13 @@ std::vector<at::Tensor> regroup_keyed_tensor(
       pooled_embs.size() == keys.size(), "kt_regroup.regroup_keyed_tensor: ", pooled_embs.size(),
       " tensors but keys for ", keys.size());
   check_has_inputs(keys);
-  static auto arguments_op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kt_regroup::kt_regroup_arguments", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>>(
-              const at::Tensor&, const Names&, const std::vector<std::vector<int64_t>>&,
-              const Names&)>();
-  static auto permute_op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("kt_regroup::permute_multi_embedding", "")
-                               .typed<std::vector<at::Tensor>(
-                                   at::TensorList, const at::Tensor&, const at::Tensor&,
-                                   const at::Tensor&, c10::SymIntArrayRef)>();
+  static const auto arguments_op =
+      op_handle<std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>>(
+          const at::Tensor&, const Names&, const std::vector<std::vector<int64_t>>&, const Names&)>(
+          "kt_regroup::kt_regroup_arguments");
+  static const auto permute_op = op_handle<std::vector<at::Tensor>(
+      at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      c10::SymIntArrayRef)>("kt_regroup::permute_multi_embedding");
   const auto [permutes, in_shapes, out_shapes, out_lengths] =
       arguments_op.call(pooled_embs[0], keys, lengths, groups);
   return permute_op.call(
@@ -884,6 +744,13 @@ TORCH_LIBRARY(kt_regroup, m) {
   m.def(
       "regroup_keyed_tensor(Tensor[] pooled_embs, str[][] keys, int[][] lengths, "
       "str[][] groups) -> Tensor[]");
+  m.def(
+      "permute_multi_embedding_vbe(Tensor[] pooled_embs, Tensor?[] indices, Tensor permutes, "
+      "Tensor in_shapes, Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]");
+  m.def(
+      "permute_multi_embedding_vbe_backward(Tensor?[] grad_outputs, Tensor?[] indices, "
+      "Tensor permutes, Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, "
+      "SymInt[] in_rows, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kt_regroup, CompositeExplicitAutograd, m) {

@@ -28,26 +28,41 @@ void warn_if_cuda(const at::Tensor& t) {
   }
 }
 
-std::vector<at::Tensor> new_outputs(
-    const std::vector<Segment>& segments,
-    c10::IntArrayRef out_lengths,
-    int64_t batch,
-    const at::TensorOptions& options) {
-  const bool tiled = segments_tile_outputs(segments, out_lengths);
-  std::vector<at::Tensor> outs;
-  for (int64_t n : out_lengths) {
-    outs.push_back(tiled ? at::empty({batch, n}, options) : at::zeros({batch, n}, options));
+// The plan of a call, checked, after a warning where the library has no CUDA kernels.
+std::shared_ptr<const CheckedPlan> checked(const Call& call, const PlanArgs& plan) {
+  warn_if_cuda(plan.permutes);
+  for (const at::Tensor* t : call.tensors) {
+    if (t) warn_if_cuda(*t);
+    if (call.kind != Kind::kBackward) break;  // the inputs are on one device, if any
   }
-  return outs;
+  return check(call, plan);
 }
 
-void copy_segments(
-    at::TensorList inputs, const std::vector<Segment>& segments, at::TensorList outs) {
-  for (const Segment& s : segments) {
+// The forward's copies into `outs`, zeroed first unless the segments write every column.
+void copy_segments(at::TensorList inputs, const CheckedPlan& plan, at::TensorList outs) {
+  if (!plan.tiled) {
+    for (const at::Tensor& t : outs) t.zero_();
+  }
+  for (const Segment& s : plan.segments) {
     outs[s.out_t]
         .narrow(1, s.out_off, s.length)
-        .copy_(inputs[s.in_t].narrow(1, s.in_off, s.length));
+        .copy_(inputs[s.in_t].narrow(1, s.in_off, s.length));  // copy_ casts
   }
+}
+
+std::vector<at::Tensor> forward(
+    const char* op,
+    at::TensorList pooled_embs,
+    const PlanArgs& args,
+    std::optional<c10::ScalarType> dtype) {
+  const auto plan =
+      checked({op, dtype ? Kind::kCast : Kind::kForward, pointers(pooled_embs)}, args);
+  const at::Tensor& first = pooled_embs[0];
+  const auto options = first.options().dtype(dtype.value_or(first.scalar_type()));
+  std::vector<at::Tensor> outs;
+  for (int64_t n : args.lengths) outs.push_back(at::empty({first.size(0), n}, options));
+  copy_segments(pooled_embs, *plan, outs);
+  return outs;
 }
 
 std::vector<at::Tensor> permute_multi_embedding_to(
@@ -57,17 +72,9 @@ std::vector<at::Tensor> permute_multi_embedding_to(
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype) {
-  warn_if_cuda(permutes);
-  if (!pooled_embs.empty()) warn_if_cuda(pooled_embs[0]);
-  const std::vector<Segment> segments = check_forward(
-      "permute_multi_embedding_to", pooled_embs, permutes, in_shapes, out_shapes, out_lengths,
-      /*same_dtype=*/!dtype.has_value());
-  const at::Tensor& first = pooled_embs[0];
-  std::vector<at::Tensor> outs = new_outputs(
-      segments, out_lengths, first.size(0),
-      first.options().dtype(dtype.value_or(first.scalar_type())));
-  copy_segments(pooled_embs, segments, outs);  // copy_ casts
-  return outs;
+  return forward(
+      "permute_multi_embedding_to", pooled_embs, {permutes, in_shapes, out_shapes, out_lengths},
+      dtype);
 }
 
 std::vector<at::Tensor> permute_multi_embedding(
@@ -76,14 +83,9 @@ std::vector<at::Tensor> permute_multi_embedding(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths) {
-  warn_if_cuda(permutes);
-  if (!pooled_embs.empty()) warn_if_cuda(pooled_embs[0]);
-  const std::vector<Segment> segments = check_forward(
-      "permute_multi_embedding", pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
-  std::vector<at::Tensor> outs =
-      new_outputs(segments, out_lengths, pooled_embs[0].size(0), pooled_embs[0].options());
-  copy_segments(pooled_embs, segments, outs);
-  return outs;
+  return forward(
+      "permute_multi_embedding", pooled_embs, {permutes, in_shapes, out_shapes, out_lengths},
+      std::nullopt);
 }
 
 void permute_multi_embedding_into(
@@ -92,11 +94,10 @@ void permute_multi_embedding_into(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     at::TensorList outs) {
-  warn_if_cuda(permutes);
-  if (!pooled_embs.empty()) warn_if_cuda(pooled_embs[0]);
-  const std::vector<Segment> segments =
-      prepare_into(pooled_embs, permutes, in_shapes, out_shapes, outs);
-  copy_segments(pooled_embs, segments, outs);
+  const auto plan = checked(
+      {"permute_multi_embedding_into", Kind::kInto, pointers(pooled_embs), 0, outs},
+      {permutes, in_shapes, out_shapes});
+  copy_segments(pooled_embs, *plan, outs);
 }
 
 std::vector<at::Tensor> permute_multi_embedding_backward(
@@ -108,16 +109,13 @@ std::vector<at::Tensor> permute_multi_embedding_backward(
     int64_t batch_size,
     c10::ScalarType dtype) {
   std::vector<std::optional<at::Tensor>> held;
-  const TensorPtrs grads = grad_pointers(grad_outputs, held);
-  warn_if_cuda(permutes);
-  for (const at::Tensor* g : grads) {
-    if (g) warn_if_cuda(*g);
-  }
-  const std::vector<Segment> segments = check_backward(
-      "permute_multi_embedding_backward", grads, permutes, in_shapes, out_shapes, in_lengths,
-      batch_size);
+  const Call call{
+      "permute_multi_embedding_backward", Kind::kBackward, grad_pointers(grad_outputs, held),
+      batch_size};
+  const auto plan = checked(call, {permutes, in_shapes, out_shapes, in_lengths});
   return backward_by_segments(
-      grads, segments, in_lengths, batch_size, dtype, gradients_device(grads, permutes));
+      call.tensors, plan->segments, in_lengths, batch_size, dtype,
+      gradients_device(call.tensors, permutes));
 }
 
 }  // namespace

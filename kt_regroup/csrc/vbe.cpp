@@ -12,7 +12,7 @@
 // tensor (an op may not return aliases of one allocation); the autograd splits it into
 // per-input views.
 //
-// Schemas, checks, the CPU kernels, a portable kernel (ATen, every device without a
+// The checks, the CPU kernels, a portable kernel (ATen, every device without a
 // kernel of its own) and the autograd live here; the CUDA kernels in cuda/permute.cu and
 // cuda/kernels.cuh (the same sums in the same order: the CPU kernel's bits; indices
 // checked on the device), the fake kernels in kt_regroup/ops.py.
@@ -23,7 +23,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -43,6 +42,10 @@ constexpr const char* kBackward = "permute_multi_embedding_vbe_backward";
 
 // ---- checks ----------------------------------------------------------------------------
 
+bool has_index(const std::vector<std::optional<at::Tensor>>& indices, size_t i) {
+  return !indices.empty() && indices[i].has_value() && indices[i]->defined();
+}
+
 // The index tensors of a call (nullopt: input i has one row per sample), checked against
 // the inputs' row counts: 1-D, int32/int64, the data's device, one length (the batch).
 // Returns the batch size; `rows[i]` is input i's row count.
@@ -58,7 +61,7 @@ int64_t check_indices(
       " inputs; give one per input (None: one row per sample) or none");
   int64_t first = -1;  // the input that fixed the batch size
   for (size_t i = 0; i < rows.size(); ++i) {
-    const bool has = !indices.empty() && indices[i].has_value() && indices[i]->defined();
+    const bool has = has_index(indices, i);
     int64_t n = rows[i];
     if (has) {
       const at::Tensor& idx = *indices[i];
@@ -90,132 +93,73 @@ int64_t check_indices(
 }
 
 // Every index inside its input: the error names the input and the sample.
-template <typename index_t>
-void check_range(const char* op, const at::Tensor& idx, int64_t i, int64_t rows) {
-  const index_t* p = idx.const_data_ptr<index_t>();
-  // A stride-0 index (expand) holds one value whatever its length: checked once.
-  const int64_t s = idx.stride(0), n = s == 0 ? std::min<int64_t>(idx.size(0), 1) : idx.size(0);
-  for (int64_t b = 0; b < n; ++b) {
-    const int64_t v = static_cast<int64_t>(p[b * s]);
-    TORCH_CHECK_INDEX(
-        v >= 0 && v < rows, "kt_regroup.", op, ": indices[", i, "][", b, "] = ", v,
-        " is out of range for input ", i, ", which has ", rows, " rows");
-  }
-}
-
 void check_ranges(
     const char* op,
     const std::vector<std::optional<at::Tensor>>& indices,
     const std::vector<int64_t>& rows) {
   for (size_t i = 0; i < indices.size(); ++i) {
-    if (!indices[i].has_value() || !indices[i]->defined()) continue;
+    if (!has_index(indices, i)) continue;
     const at::Tensor host = indices[i]->is_cpu() ? *indices[i] : indices[i]->cpu();
-    if (host.scalar_type() == at::kInt) {
-      check_range<int32_t>(op, host, static_cast<int64_t>(i), rows[i]);
-    } else {
-      check_range<int64_t>(op, host, static_cast<int64_t>(i), rows[i]);
-    }
+    AT_DISPATCH_INDEX_TYPES(host.scalar_type(), "check_ranges", [&] {
+      const index_t* p = host.const_data_ptr<index_t>();
+      // A stride-0 index (expand) holds one value whatever its length: checked once.
+      const int64_t s = host.stride(0),
+                    n = s == 0 ? std::min<int64_t>(host.size(0), 1) : host.size(0);
+      for (int64_t b = 0; b < n; ++b) {
+        const int64_t v = static_cast<int64_t>(p[b * s]);
+        TORCH_CHECK_INDEX(
+            v >= 0 && v < rows[i], "kt_regroup.", op, ": indices[", i, "][", b, "] = ", v,
+            " is out of range for input ", i, ", which has ", rows[i], " rows");
+      }
+    });
   }
 }
 
-std::vector<std::optional<at::Tensor>> held(const OptionalTensors& list) {
-  return std::vector<std::optional<at::Tensor>>(list.begin(), list.end());
-}
+}  // namespace
 
-struct Forward {
-  std::vector<Segment> segments;
-  std::vector<std::optional<at::Tensor>> indices;
-  int64_t batch;
-};
-
-// `plan`: read the plan (the segments; else only what reads no data), `ranges`: read the
-// indices (the CUDA kernels check them on the device).
-Forward check_vbe_forward(
-    at::TensorList pooled_embs,
-    const OptionalTensors& indices,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths,
-    bool plan = true,
-    bool ranges = true) {
-  Forward f;
-  if (plan) {
-    f.segments =
-        check_forward_rows(kForward, pooled_embs, permutes, in_shapes, out_shapes, out_lengths);
-  } else {
-    TensorPtrs ptrs;
-    for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
-    check_without_data(
-        kForward, ptrs, permutes, in_shapes, out_shapes, out_lengths, std::nullopt,
-        /*same_dtype=*/true, /*same_batch=*/false);
-  }
+VbeChecked check(const VbeCall& call, const PlanArgs& args) {
+  const char* op = call.backward ? kBackward : kForward;
+  const TensorPtrs& ts = call.tensors;
+  VbeChecked k{nullptr, {call.indices.begin(), call.indices.end()}, 0};
   std::vector<int64_t> rows;
-  for (const at::Tensor& t : pooled_embs) rows.push_back(t.size(0));
-  f.indices = held(indices);
-  f.batch = check_indices(kForward, f.indices, rows, pooled_embs[0].device(), std::nullopt);
-  check_output_elements(kForward, "out_lengths", out_lengths, f.batch);
-  if (ranges) check_ranges(kForward, f.indices, rows);
-  return f;
-}
-
-struct Backward {
-  std::vector<Segment> segments;
-  std::vector<std::optional<at::Tensor>> indices;
-  std::vector<std::optional<at::Tensor>> grads_held;
-  TensorPtrs grads;
-  int64_t batch;
-};
-
-Backward check_vbe_backward(
-    const OptionalTensors& grad_outputs,
-    const OptionalTensors& indices,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef in_lengths,
-    c10::IntArrayRef in_rows,
-    c10::ScalarType dtype,
-    bool plan = true,
-    bool ranges = true) {
-  Backward k;
-  k.grads = grad_pointers(grad_outputs, k.grads_held);
-  TORCH_CHECK_VALUE(
-      in_rows.size() == in_lengths.size(), "kt_regroup.", kBackward, ": in_rows has ",
-      in_rows.size(), " entries but in_lengths has ", in_lengths.size());
-  std::vector<int64_t> rows(in_rows.begin(), in_rows.end());
-  for (size_t i = 0; i < rows.size(); ++i) {
-    TORCH_CHECK_VALUE(
-        rows[i] >= 0, "kt_regroup.", kBackward, ": in_rows[", i, "] is negative (", rows[i], ")");
-  }
-  std::optional<c10::Device> device;
-  std::optional<int64_t> batch;
-  for (const at::Tensor* g : k.grads) {
-    if (g && g->dim() >= 1) {
-      device = g->device();
-      batch = g->size(0);
-    }
-  }
-  for (size_t j = 0; j < k.grads.size(); ++j) {
-    if (k.grads[j]) check_dense(kBackward, "grad_outputs", static_cast<int64_t>(j), *k.grads[j]);
-    TORCH_CHECK_TYPE(
-        !k.grads[j] || k.grads[j]->scalar_type() == dtype, "kt_regroup.", kBackward,
-        ": grad_outputs[", j, "] is ", k.grads[j] ? k.grads[j]->scalar_type() : dtype,
-        " but dtype is ", dtype, "; the gradients must have the inputs' dtype");
-  }
-  k.indices = held(indices);
-  k.batch = check_indices(kBackward, k.indices, rows, device, batch);
-  if (plan) {
-    k.segments =
-        check_backward(kBackward, k.grads, permutes, in_shapes, out_shapes, in_lengths, k.batch);
+  if (!call.backward) {
+    k.plan = check({op, Kind::kVbe, ts, 0, {}, call.device_kernel}, args);
+    for (const at::Tensor* t : ts) rows.push_back(t->size(0));
+    k.batch = check_indices(op, k.indices, rows, ts[0]->device(), std::nullopt);
+    check_output_elements(op, "out_lengths", args.lengths, k.batch);
   } else {
-    check_without_data(
-        kBackward, k.grads, permutes, in_shapes, out_shapes, in_lengths, k.batch,
-        /*same_dtype=*/true);
+    TORCH_CHECK_VALUE(
+        call.in_rows.size() == args.lengths.size(), "kt_regroup.", op, ": in_rows has ",
+        call.in_rows.size(), " entries but in_lengths has ", args.lengths.size());
+    rows.assign(call.in_rows.begin(), call.in_rows.end());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      TORCH_CHECK_VALUE(
+          rows[i] >= 0, "kt_regroup.", op, ": in_rows[", i, "] is negative (", rows[i], ")");
+    }
+    std::optional<c10::Device> device;
+    std::optional<int64_t> batch;
+    for (const at::Tensor* g : ts) {
+      if (g && g->dim() >= 1) {
+        device = g->device();
+        batch = g->size(0);
+      }
+    }
+    for (size_t j = 0; j < ts.size(); ++j) {
+      if (ts[j]) check_dense(op, "grad_outputs", static_cast<int64_t>(j), *ts[j]);
+      TORCH_CHECK_TYPE(
+          !ts[j] || ts[j]->scalar_type() == call.dtype, "kt_regroup.", op, ": grad_outputs[", j,
+          "] is ", ts[j] ? ts[j]->scalar_type() : call.dtype, " but dtype is ", call.dtype,
+          "; the gradients must have the inputs' dtype");
+    }
+    k.batch = check_indices(op, k.indices, rows, device, batch);
+    k.plan = check({op, Kind::kBackward, ts, k.batch, {}, call.device_kernel}, args);
   }
-  if (ranges) check_ranges(kBackward, k.indices, rows);
+  // The indices' values: on the device, by the kernels.
+  if (!call.device_kernel) check_ranges(op, k.indices, rows);
   return k;
 }
+
+namespace {
 
 // The input gradients: views of one allocation (on the CPU from the output cache, whose
 // blocks come back with their pages in place), not zeroed.
@@ -235,10 +179,6 @@ std::vector<at::Tensor> gradient_views(
     offset += n;
   }
   return out;
-}
-
-bool has_index(const std::vector<std::optional<at::Tensor>>& indices, size_t i) {
-  return !indices.empty() && indices[i].has_value() && indices[i]->defined();
 }
 
 // The backward's sums, in unpatched torchrec's order (group_index_select_dim0, then the
@@ -316,11 +256,11 @@ std::vector<at::Tensor> vbe_portable(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths) {
-  const Forward f =
-      check_vbe_forward(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+  const VbeChecked f = check(
+      {false, pointers(pooled_embs), indices}, {permutes, in_shapes, out_shapes, out_lengths});
   std::vector<at::Tensor> outs;
   for (int64_t n : out_lengths) outs.push_back(at::zeros({f.batch, n}, pooled_embs[0].options()));
-  for (const Segment& s : f.segments) {
+  for (const Segment& s : f.plan->segments) {
     at::Tensor src = pooled_embs[s.in_t].narrow(1, s.in_off, s.length);
     if (has_index(f.indices, s.in_t)) src = src.index_select(0, *f.indices[s.in_t]);
     outs[s.out_t].narrow(1, s.out_off, s.length).copy_(src);
@@ -339,14 +279,15 @@ at::Tensor vbe_backward_portable(
     c10::IntArrayRef in_lengths,
     c10::IntArrayRef in_rows,
     c10::ScalarType dtype) {
-  const Backward k = check_vbe_backward(
-      grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
-  const c10::Device device = gradients_device(k.grads, permutes);
+  std::vector<std::optional<at::Tensor>> held;
+  const VbeCall call{true, grad_pointers(grad_outputs, held), indices, in_rows, dtype};
+  const VbeChecked k = check(call, {permutes, in_shapes, out_shapes, in_lengths});
+  const c10::Device device = gradients_device(call.tensors, permutes);
   at::Tensor buffer;
   std::vector<at::Tensor> grads =
       gradient_views(in_rows, in_lengths, at::TensorOptions().dtype(dtype).device(device), &buffer);
   buffer.zero_();
-  const std::vector<InputSums> sums = input_sums(k.segments, k.grads, in_lengths);
+  const std::vector<InputSums> sums = input_sums(k.plan->segments, call.tensors, in_lengths);
   for (size_t i = 0; i < sums.size(); ++i) {
     if (sums[i].pieces.empty()) continue;
     // Each sample's sum over the segments that read a column, then the rows' sums.
@@ -355,7 +296,7 @@ at::Tensor vbe_backward_portable(
                                 : grads[i];
     for (const Piece& p : sums[i].pieces) {
       const Segment& s = *p.segment;
-      const at::Tensor src = k.grads[s.out_t]->narrow(1, s.out_off + p.skip, p.length);
+      const at::Tensor src = call.tensors[s.out_t]->narrow(1, s.out_off + p.skip, p.length);
       at::Tensor dst = per_sample.narrow(1, s.in_off + p.skip, p.length);
       if (p.kind == Piece::kAdd) {
         dst.add_(src);
@@ -366,34 +307,6 @@ at::Tensor vbe_backward_portable(
     if (has_index(k.indices, i)) grads[i].index_add_(0, *k.indices[i], per_sample);
   }
   return buffer;
-}
-
-int64_t check_vbe_forward_on_device(
-    at::TensorList pooled_embs,
-    const OptionalTensors& indices,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths) {
-  return check_vbe_forward(
-             pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths,
-             on_host(permutes, in_shapes, out_shapes), /*ranges=*/false)
-      .batch;
-}
-
-int64_t check_vbe_backward_on_device(
-    const OptionalTensors& grad_outputs,
-    const OptionalTensors& indices,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef in_lengths,
-    c10::IntArrayRef in_rows,
-    c10::ScalarType dtype) {
-  return check_vbe_backward(
-             grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype,
-             on_host(permutes, in_shapes, out_shapes), /*ranges=*/false)
-      .batch;
 }
 
 namespace {
@@ -443,15 +356,16 @@ std::vector<at::Tensor> vbe_cpu(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths) {
-  const Forward f =
-      check_vbe_forward(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+  const VbeChecked f = check(
+      {false, pointers(pooled_embs), indices}, {permutes, in_shapes, out_shapes, out_lengths});
   const at::TensorOptions options = pooled_embs[0].options();
-  const bool tiled = segments_tile_outputs(f.segments, out_lengths);
   std::vector<at::Tensor> outs;
   for (int64_t n : out_lengths) {  // from the output cache: warm pages where it has them
-    outs.push_back(tiled ? empty_cpu({f.batch, n}, options) : zeros_cpu({f.batch, n}, options));
+    outs.push_back(
+        f.plan->tiled ? empty_cpu({f.batch, n}, options) : zeros_cpu({f.batch, n}, options));
   }
-  if (f.batch == 0 || f.segments.empty()) return outs;
+  const std::vector<Segment>& segments = f.plan->segments;
+  if (f.batch == 0 || segments.empty()) return outs;
   std::vector<at::Tensor> inputs;
   for (const at::Tensor& t : pooled_embs) inputs.push_back(rows_contiguous(t));
   std::vector<at::Tensor> keep;
@@ -467,7 +381,7 @@ std::vector<at::Tensor> vbe_cpu(
   };
   std::vector<Copy> copies;
   int64_t bytes = 0;
-  for (const Segment& s : f.segments) {
+  for (const Segment& s : segments) {
     const at::Tensor& in = inputs[s.in_t];
     const at::Tensor& out = outs[s.out_t];
     copies.push_back(Copy{
@@ -482,9 +396,9 @@ std::vector<at::Tensor> vbe_cpu(
   // in all runs inline.
   std::vector<size_t> order(copies.size());
   std::iota(order.begin(), order.end(), size_t(0));
-  if (tiled) {
+  if (f.plan->tiled) {
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-      const Segment &x = f.segments[a], &y = f.segments[b];
+      const Segment &x = segments[a], &y = segments[b];
       return std::tie(x.out_t, x.out_off) < std::tie(y.out_t, y.out_off);
     });
   }
@@ -502,10 +416,10 @@ std::vector<at::Tensor> vbe_cpu(
   size_t begin = 0;
   int64_t read = 0, per_sample = 0;
   for (size_t q = 0; q < order.size(); ++q) {
-    const Segment& s = f.segments[order[q]];
+    const Segment& s = segments[order[q]];
     const int64_t rows = maps[s.in_t].indexed ? inputs[s.in_t].size(0) : f.batch;
     const int64_t size = rows * s.length * es;
-    if (tiled && q > begin && read + size > kTaskBytes) {
+    if (f.plan->tiled && q > begin && read + size > kTaskBytes) {
       add(begin, q, per_sample);
       begin = q;
       read = per_sample = 0;
@@ -561,7 +475,8 @@ inline void add_sample(
 
 template <typename scalar_t>
 void vbe_backward_cpu_typed(
-    const Backward& k,
+    const VbeChecked& k,
+    const TensorPtrs& grad_ptrs,
     const std::vector<at::Tensor>& grad_outs,  // undefined: None
     c10::IntArrayRef in_rows,
     c10::IntArrayRef in_lengths,
@@ -569,7 +484,7 @@ void vbe_backward_cpu_typed(
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   constexpr bool kInPlace = std::is_same_v<acc_t, scalar_t>;  // accumulate in the gradients
   const int64_t n_in = static_cast<int64_t>(in_rows.size());
-  const std::vector<InputSums> sums = input_sums(k.segments, k.grads, in_lengths);
+  const std::vector<InputSums> sums = input_sums(k.plan->segments, grad_ptrs, in_lengths);
   std::vector<at::Tensor> keep;
   const std::vector<RowMap> maps = row_maps(k.indices, n_in, keep);
   // Tasks own disjoint inputs, so no two threads write one element: an input without an
@@ -683,23 +598,22 @@ at::Tensor vbe_backward_cpu(
     c10::IntArrayRef in_lengths,
     c10::IntArrayRef in_rows,
     c10::ScalarType dtype) {
-  const bool native =
-      dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
-  if (!native) {
+  if (!is_float(dtype)) {
     return vbe_backward_portable(
         grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
   }
-  const Backward k = check_vbe_backward(
-      grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
+  std::vector<std::optional<at::Tensor>> held;
+  const VbeCall call{true, grad_pointers(grad_outputs, held), indices, in_rows, dtype};
+  const VbeChecked k = check(call, {permutes, in_shapes, out_shapes, in_lengths});
   std::vector<at::Tensor> grad_outs;
-  for (const at::Tensor* g : k.grads) {
+  for (const at::Tensor* g : call.tensors) {
     grad_outs.push_back(g ? rows_contiguous(*g) : at::Tensor());
   }
   at::Tensor buffer;
   std::vector<at::Tensor> grads =
       gradient_views(in_rows, in_lengths, at::TensorOptions().dtype(dtype), &buffer);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "vbe_backward_cpu", [&] {
-    vbe_backward_cpu_typed<scalar_t>(k, grad_outs, in_rows, in_lengths, grads);
+    vbe_backward_cpu_typed<scalar_t>(k, call.tensors, grad_outs, in_rows, in_lengths, grads);
   });
   return buffer;
 }
@@ -708,40 +622,6 @@ at::Tensor vbe_backward_cpu(
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-std::vector<at::Tensor> call_vbe(
-    at::TensorList pooled_embs,
-    const OptionalTensors& indices,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::SymIntArrayRef out_lengths) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("kt_regroup::permute_multi_embedding_vbe", "")
-                       .typed<std::vector<at::Tensor>(
-                           at::TensorList, const OptionalTensors&, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef)>();
-  return op.call(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
-}
-
-at::Tensor call_vbe_backward(
-    const OptionalTensors& grad_outputs,
-    const OptionalTensors& indices,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::SymIntArrayRef in_lengths,
-    c10::SymIntArrayRef in_rows,
-    c10::ScalarType dtype) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kt_regroup::permute_multi_embedding_vbe_backward", "")
-          .typed<at::Tensor(
-              const OptionalTensors&, const OptionalTensors&, const at::Tensor&, const at::Tensor&,
-              const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::ScalarType)>();
-  return op.call(
-      grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
-}
 
 class VbeFunction : public torch::autograd::Function<VbeFunction> {
  public:
@@ -782,7 +662,10 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
     ctx->saved_data["in_shapes"] = in_shapes;
     ctx->saved_data["out_shapes"] = out_shapes;
     at::AutoDispatchBelowADInplaceOrView guard;
-    return call_vbe(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+    static const auto op = op_handle<std::vector<at::Tensor>(
+        at::TensorList, const OptionalTensors&, const at::Tensor&, const at::Tensor&,
+        const at::Tensor&, c10::SymIntArrayRef)>("kt_regroup::permute_multi_embedding_vbe");
+    return op.call(pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -799,7 +682,11 @@ class VbeFunction : public torch::autograd::Function<VbeFunction> {
     for (size_t i = 0; i < held.size(); ++i) {
       indices.push_back(present[i] ? std::optional<at::Tensor>(held[i]) : std::nullopt);
     }
-    const at::Tensor flat = call_vbe_backward(
+    static const auto op = op_handle<at::Tensor(
+        const OptionalTensors&, const OptionalTensors&, const at::Tensor&, const at::Tensor&,
+        const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::ScalarType)>(
+        "kt_regroup::permute_multi_embedding_vbe_backward");
+    const at::Tensor flat = op.call(
         grads, indices, saved.at("permutes").toTensor(), saved.at("in_shapes").toTensor(),
         saved.at("out_shapes").toTensor(), widths, rows, saved.at("dtype").toScalarType());
     variable_list out;  // per-input views of the one flat gradient, one op each
@@ -826,16 +713,6 @@ std::vector<at::Tensor> vbe_autograd(
 
 }  // namespace
 }  // namespace kt_regroup
-
-TORCH_LIBRARY_FRAGMENT(kt_regroup, m) {
-  m.def(
-      "permute_multi_embedding_vbe(Tensor[] pooled_embs, Tensor?[] indices, Tensor permutes, "
-      "Tensor in_shapes, Tensor out_shapes, SymInt[] out_lengths) -> Tensor[]");
-  m.def(
-      "permute_multi_embedding_vbe_backward(Tensor?[] grad_outputs, Tensor?[] indices, "
-      "Tensor permutes, Tensor in_shapes, Tensor out_shapes, SymInt[] in_lengths, "
-      "SymInt[] in_rows, ScalarType dtype) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(kt_regroup, CompositeExplicitAutograd, m) {
   m.impl("permute_multi_embedding_vbe", TORCH_FN(kt_regroup::vbe_portable));

@@ -15,9 +15,9 @@
 // output sizes come from out_lengths / in_lengths, widths from the tensors' shapes; no
 // .item(), no data-dependent size, no host sync: a training step that uses them can be
 // captured in a CUDA graph. Where the plan is on the CPU it is checked in full first
-// (check_forward / check_backward, no sync) and copied to the device; on the device only
-// the checks that read no data run (check_without_data), as for
-// permute_multi_embedding_into, whose outs are checked without data too (check_into_outs).
+// (check, no sync) and copied to the device; on the device only the checks that read no
+// data run (check decides by where the plan is), as for permute_multi_embedding_into,
+// whose outs are checked without data too.
 //
 // *Tensors as kernel arguments.* The pointers, strides, widths and dtypes of up to
 // kMaxTensors tensors a side travel by value (`Tensors<N>`, baked into a CUDA graph):

@@ -23,37 +23,19 @@ namespace kt_regroup {
 namespace cuda {
 namespace {
 
-bool on_host(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-  return a.is_cpu() && b.is_cpu() && c.is_cpu();
-}
-
 // The plan where the kernel reads it: the data's device.
 at::Tensor plan_on(const at::Tensor& permutes, c10::Device device) {
   return permutes.device() == device ? permutes : permutes.to(device);
 }
 
-// The checks of a forward: in full where the plan is on the CPU (no sync), else those
-// that read no tensor data (the plan stays on the device). Then the data must be on CUDA.
-void check_forward_call(
-    const char* op,
-    at::TensorList pooled_embs,
-    const at::Tensor& permutes,
-    const at::Tensor& in_shapes,
-    const at::Tensor& out_shapes,
-    c10::IntArrayRef out_lengths,
-    bool same_dtype) {
-  TORCH_CHECK_VALUE(!pooled_embs.empty(), "kt_regroup.", op, ": pooled_embs is empty");
-  if (on_host(permutes, in_shapes, out_shapes)) {
-    check_forward(op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, same_dtype);
-  } else {
-    TensorPtrs ptrs;
-    for (const at::Tensor& t : pooled_embs) ptrs.push_back(&t);
-    check_without_data(
-        op, ptrs, permutes, in_shapes, out_shapes, out_lengths, std::nullopt, same_dtype);
-  }
+// The checks of a forward (check: in full where the plan is on the CPU, else those that
+// read no data; the plan stays on the device). Then the data must be on CUDA.
+void check_forward_call(const Call& call, const PlanArgs& plan) {
+  check(call, plan);
+  const at::Tensor& first = *call.tensors[0];
   TORCH_CHECK_VALUE(
-      pooled_embs[0].is_cuda(), "kt_regroup.", op, ": pooled_embs[0] is on ",
-      pooled_embs[0].device(), " but other arguments are on cuda; all must be on one device");
+      first.is_cuda(), "kt_regroup.", call.op, ": pooled_embs[0] is on ", first.device(),
+      " but other arguments are on cuda; all must be on one device");
 }
 
 // The forward's launches into `outs` (fresh, or the caller's for _into), every column
@@ -81,7 +63,13 @@ std::vector<at::Tensor> forward(
     c10::IntArrayRef out_lengths,
     std::optional<c10::ScalarType> dtype) {
   check_forward_call(
-      op, pooled_embs, permutes, in_shapes, out_shapes, out_lengths, !dtype.has_value());
+      {op,
+       dtype ? Kind::kCast : Kind::kForward,
+       pointers(pooled_embs),
+       0,
+       {},
+       /*device_kernel=*/true},
+      {permutes, in_shapes, out_shapes, out_lengths});
   const at::Tensor& first = pooled_embs[0];
   const c10::cuda::CUDAGuard guard(first.device());
   const c10::ScalarType out_dtype = dtype.value_or(first.scalar_type());
@@ -116,17 +104,18 @@ std::vector<at::Tensor> permute_multi_embedding_to_cuda(
       dtype);
 }
 
-// Into caller-owned outputs: their checks read no data (check_into_outs), the plan's as
-// the forward's; then the forward's launches write every column of every output.
+// Into caller-owned outputs: their checks read no data, the plan's are the forward's;
+// then the forward's launches write every column of every output.
 void permute_multi_embedding_into_cuda(
     at::TensorList pooled_embs,
     const at::Tensor& permutes,
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     at::TensorList outs) {
-  constexpr const char* op = "permute_multi_embedding_into";
-  const PerTensor<int64_t> widths = check_into_outs(pooled_embs, outs);
-  check_forward_call(op, pooled_embs, permutes, in_shapes, out_shapes, widths, /*same_dtype=*/true);
+  check_forward_call(
+      {"permute_multi_embedding_into", Kind::kInto, pointers(pooled_embs), 0, outs,
+       /*device_kernel=*/true},
+      {permutes, in_shapes, out_shapes});
   const c10::cuda::CUDAGuard guard(pooled_embs[0].device());
   launch_forward(pooled_embs, permutes, outs, pooled_embs[0].scalar_type());
 }
@@ -146,18 +135,15 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cuda(
   for (const at::Tensor* g : grads) {
     if (g && !defined) defined = g;
   }
-  const c10::Device device = defined ? defined->device() : permutes.device();
+  const c10::Device device = gradients_device(grads, permutes);
   const bool kernel_dtypes = is_float(dtype) && (!defined || is_float(defined->scalar_type()));
-  if (on_host(permutes, in_shapes, out_shapes) || !kernel_dtypes || grads.size() > kMaxReads) {
-    // Checked in full (a sync where the plan is on the device, only on the portable path).
-    const std::vector<Segment> segments =
-        check_backward(op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size);
-    if (!kernel_dtypes || grads.size() > kMaxReads) {
-      return backward_by_segments(grads, segments, in_lengths, batch_size, dtype, device);
-    }
-  } else {
-    check_without_data(
-        op, grads, permutes, in_shapes, out_shapes, in_lengths, batch_size, /*same_dtype=*/true);
+  const bool portable = !kernel_dtypes || grads.size() > kMaxReads;
+  // The portable path reads the plan on the host (a sync where it is on the device).
+  const auto checked = check(
+      {op, Kind::kBackward, grads, batch_size, {}, /*device_kernel=*/!portable},
+      {permutes, in_shapes, out_shapes, in_lengths});
+  if (portable) {
+    return backward_by_segments(grads, checked->segments, in_lengths, batch_size, dtype, device);
   }
   TORCH_CHECK_VALUE(
       device.is_cuda(), "kt_regroup.", op, ": the gradients are on ", device,
@@ -224,8 +210,11 @@ std::vector<at::Tensor> permute_multi_embedding_vbe_cuda(
     const at::Tensor& in_shapes,
     const at::Tensor& out_shapes,
     c10::IntArrayRef out_lengths) {
-  const int64_t batch = check_vbe_forward_on_device(
-      pooled_embs, indices, permutes, in_shapes, out_shapes, out_lengths);
+  const int64_t batch =
+      check(
+          {false, pointers(pooled_embs), indices, {}, at::kFloat, /*device_kernel=*/true},
+          {permutes, in_shapes, out_shapes, out_lengths})
+          .batch;
   const at::Tensor& first = pooled_embs[0];
   TORCH_CHECK_VALUE(
       first.is_cuda(), "kt_regroup.permute_multi_embedding_vbe: pooled_embs[0] is on ",
@@ -261,15 +250,15 @@ at::Tensor permute_multi_embedding_vbe_backward_cuda(
     return vbe_backward_portable(
         grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
   }
-  const int64_t batch = check_vbe_backward_on_device(
-      grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
   std::vector<std::optional<at::Tensor>> held;
   const TensorPtrs grads = grad_pointers(grad_outputs, held);
-  const at::Tensor* defined = nullptr;
-  for (const at::Tensor* g : grads) {
-    if (g && !defined) defined = g;
-  }
-  const c10::Device device = defined ? defined->device() : permutes.device();
+  const int64_t batch = check(
+                            {true, grads, indices, in_rows, dtype, /*device_kernel=*/true},
+                            {permutes, in_shapes, out_shapes, in_lengths})
+                            .batch;
+  const bool defined =
+      std::any_of(grads.begin(), grads.end(), [](const at::Tensor* g) { return g; });
+  const c10::Device device = gradients_device(grads, permutes);
   TORCH_CHECK_VALUE(
       device.is_cuda(), "kt_regroup.permute_multi_embedding_vbe_backward: the gradients are on ",
       device, " but other arguments are on cuda; all must be on one device");
