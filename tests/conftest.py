@@ -8,6 +8,7 @@ unused, because those are the cases regroup kernels get wrong.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Sequence
@@ -30,6 +31,17 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("KT_REGROUP_HYPOTHESIS_PROFILE", "ci"))
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """torch's intra-op thread count set to ``n``, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def pytest_configure(config):

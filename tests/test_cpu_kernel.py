@@ -19,6 +19,7 @@ from conftest import (
     dtype_ids,
     expected_grads,
     expected_regroup,
+    intra_op_threads,
     keyed_tensors,
     make_values,
     needs_cpp_autograd,
@@ -544,10 +545,8 @@ WIDE_LAYOUT = random_layout(21, n_inputs=3, keys_per_input=(3, 5), widths=(127, 
 
 @pytest.fixture
 def four_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    yield
-    torch.set_num_threads(before)
+    with intra_op_threads(4):
+        yield
 
 
 @needs_cpu_kernel

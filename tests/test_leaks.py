@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import intra_op_threads
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 import kt_regroup
@@ -84,10 +85,8 @@ def one_thread():
     # Leaks do not depend on threads. With two, each call's copy (132 KiB, past the
     # parallel grain) wakes an OpenMP thread, which on a busy machine (pytest-xdist's
     # other worker) waits milliseconds for a core.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with intra_op_threads(1):
+        yield
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])

@@ -10,6 +10,7 @@ from typing import Dict, List
 
 import pytest
 import torch
+from conftest import intra_op_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import permute_multi_embedding_reference
@@ -113,9 +114,7 @@ def test_vbe_matches_reference_forward_and_backward(layout):
 def test_vbe_on_threads_matches_reference_bit_for_bit(threads):
     """Work above the kernels' 128 KiB grain goes to threads (below it runs inline): the
     same outputs and the same gradient bits as one thread, duplicates summed in order."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         g = torch.Generator().manual_seed(3)
         batch, widths, rows = 1024, [64, 32, 64, 16, 64, 8], [50, 1024, 7, 300, 1, 64]
         pooled = [torch.randn(r, w, generator=g) for r, w in zip(rows, widths)]
@@ -136,8 +135,6 @@ def test_vbe_on_threads_matches_reference_bit_for_bit(threads):
         ref = [p.clone().requires_grad_() for p in pooled]
         want = torch.autograd.grad(_reference(ref, indices, *plan), ref, grads)
         torch.testing.assert_close(list(got), list(want))
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_vbe_backward_gives_torchrecs_bits():
