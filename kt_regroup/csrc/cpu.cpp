@@ -823,6 +823,7 @@ struct GradView {
   int64_t row_stride = 0;
   int64_t col_stride = 0;
 };
+using GradDsts = PerTensor<std::pair<char*, int64_t>>;
 
 template <typename scalar_t>
 using acc_type_t = std::conditional_t<
@@ -898,7 +899,7 @@ void backward_row_range(
     const std::vector<GradBlock>& blocks,
     const std::vector<GradSource>& sources,
     const GradView* views,
-    const std::vector<std::pair<char*, int64_t>>& dsts,  // input gradient: base, row stride
+    const GradDsts& dsts,  // input gradient: base, row stride
     bool stream) {
   constexpr bool kSame = std::is_same_v<dst_t, src_t>;
   constexpr int64_t es = sizeof(dst_t);
@@ -954,7 +955,7 @@ void backward_row_range(
 // block loop, right after the copies of their rows while those are in cache.
 struct BackwardPlan {
   c10::ScalarType dtype, grad_dtype;
-  std::vector<int8_t> kind;  // per upstream gradient: 0 None, 1 unit column stride, 2 other
+  PerTensor<int8_t> kind;  // per upstream gradient: 0 None, 1 unit column stride, 2 other
   std::vector<GradBlock> blocks;
   std::vector<GradSource> sources;
   int64_t block_bytes = 0;      // per row, of `blocks`
@@ -971,7 +972,7 @@ BackwardPlan plan_backward(
     c10::IntArrayRef in_widths,
     c10::ScalarType dtype,
     c10::ScalarType grad_dtype,
-    std::vector<int8_t> kind) {
+    PerTensor<int8_t> kind) {
   BackwardPlan p;
   p.dtype = dtype;
   p.grad_dtype = grad_dtype;
@@ -1058,11 +1059,11 @@ BackwardPlan plan_backward(
 // The plan's BackwardPlan for this call, built on first use.
 const BackwardPlan& backward_plan(
     const CheckedPlan& plan,
-    const std::vector<at::Tensor>& grads,  // undefined: None
+    const PerTensor<at::Tensor>& grads,  // undefined: None
     c10::IntArrayRef in_widths,
     c10::ScalarType dtype,
     c10::ScalarType grad_dtype) {
-  std::vector<int8_t> kind(grads.size(), 0);
+  PerTensor<int8_t> kind(grads.size(), 0);
   for (size_t j = 0; j < grads.size(); ++j) {
     if (grads[j].defined()) kind[j] = grads[j].size(1) <= 1 || grads[j].stride(1) == 1 ? 1 : 2;
   }
@@ -1079,11 +1080,7 @@ const BackwardPlan& backward_plan(
 // The block loop of `p` over rows [0, batch), on every thread.
 template <typename dst_t, typename src_t>
 void backward_rows(
-    int64_t batch,
-    const BackwardPlan& p,
-    const GradView* views,
-    const std::vector<std::pair<char*, int64_t>>& dsts,
-    bool warm) {
+    int64_t batch, const BackwardPlan& p, const GradView* views, const GradDsts& dsts, bool warm) {
   // Past the caches: streaming stores for copies and fills (sums keep normal stores).
   const bool stream = use_streaming(
       batch * p.block_bytes, p.block_bytes / std::max<int64_t>(1, p.blocks.size()), warm);
@@ -1100,7 +1097,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
     c10::IntArrayRef in_lengths,
     int64_t batch_size,
     c10::ScalarType dtype) {
-  std::vector<std::optional<at::Tensor>> held;
+  HeldTensors held;
   const Call call{
       "permute_multi_embedding_backward", Kind::kBackward, grad_pointers(grad_outputs, held),
       batch_size};
@@ -1127,13 +1124,13 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   if (batch_size == 0) return out;
 
   // Gradients are read in place with their own strides (only lazy conj/neg resolved).
-  std::vector<at::Tensor> readable(grads.size());
+  PerTensor<at::Tensor> readable(grads.size());
   for (size_t j = 0; j < grads.size(); ++j) {
     if (grads[j]) readable[j] = resolve_lazy(*grads[j]);
   }
   const BackwardPlan& p = backward_plan(*plan, readable, in_lengths, dtype, grad_dtype);
   const int64_t es = c10::elementSize(dtype);
-  std::vector<GradView> views(readable.size());
+  PerTensor<GradView> views(readable.size());
   ProgramTensors t;
   for (size_t j = 0; j < readable.size(); ++j) {
     const at::Tensor& g = readable[j];
@@ -1141,7 +1138,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
     t.in_base.push_back(static_cast<const char*>(views[j].base));
     t.in_stride.push_back(views[j].row_stride * es);
   }
-  std::vector<std::pair<char*, int64_t>> dsts;
+  GradDsts dsts;
   for (const at::Tensor& o : out) {
     dsts.emplace_back(static_cast<char*>(o.data_ptr()), o.stride(0) * es);
     t.out_base.push_back(dsts.back().first);

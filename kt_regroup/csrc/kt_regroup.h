@@ -51,6 +51,8 @@ template <typename T>
 using PerTensor = c10::SmallVector<T, 8>;
 // Tensors of a Tensor[] / Tensor?[] argument; nullptr stands for None.
 using TensorPtrs = PerTensor<const at::Tensor*>;
+// The tensors of a Tensor?[] argument, held while TensorPtrs point to them.
+using HeldTensors = PerTensor<std::optional<at::Tensor>>;
 
 // A floating dtype the kernels compute in (accumulation, fused casts).
 inline bool is_float(c10::ScalarType t) {
@@ -194,8 +196,7 @@ std::vector<at::Tensor> backward_by_segments(
 // `grad_outputs` of the backward op as pointers (nullptr for None / undefined); `held`
 // keeps the tensors alive.
 TensorPtrs grad_pointers(
-    const c10::List<std::optional<at::Tensor>>& grad_outputs,
-    std::vector<std::optional<at::Tensor>>& held);
+    const c10::List<std::optional<at::Tensor>>& grad_outputs, HeldTensors& held);
 
 // The variable-batch backward by ATen ops (index_add_; vbe.cpp): every device without a
 // kernel of its own, and the dtypes the CUDA kernel does not take.

@@ -522,8 +522,7 @@ std::shared_ptr<const CheckedPlan> check(const Call& call, const PlanArgs& args)
 }
 
 TensorPtrs grad_pointers(
-    const c10::List<std::optional<at::Tensor>>& grad_outputs,
-    std::vector<std::optional<at::Tensor>>& held) {
+    const c10::List<std::optional<at::Tensor>>& grad_outputs, HeldTensors& held) {
   held.assign(grad_outputs.begin(), grad_outputs.end());
   TensorPtrs ptrs(held.size(), nullptr);
   for (size_t j = 0; j < held.size(); ++j) {

@@ -108,7 +108,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward(
     c10::IntArrayRef in_lengths,
     int64_t batch_size,
     c10::ScalarType dtype) {
-  std::vector<std::optional<at::Tensor>> held;
+  HeldTensors held;
   const Call call{
       "permute_multi_embedding_backward", Kind::kBackward, grad_pointers(grad_outputs, held),
       batch_size};

@@ -279,7 +279,7 @@ at::Tensor vbe_backward_portable(
     c10::IntArrayRef in_lengths,
     c10::IntArrayRef in_rows,
     c10::ScalarType dtype) {
-  std::vector<std::optional<at::Tensor>> held;
+  HeldTensors held;
   const VbeCall call{true, grad_pointers(grad_outputs, held), indices, in_rows, dtype};
   const VbeChecked k = check(call, {permutes, in_shapes, out_shapes, in_lengths});
   const c10::Device device = gradients_device(call.tensors, permutes);
@@ -602,7 +602,7 @@ at::Tensor vbe_backward_cpu(
     return vbe_backward_portable(
         grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
   }
-  std::vector<std::optional<at::Tensor>> held;
+  HeldTensors held;
   const VbeCall call{true, grad_pointers(grad_outputs, held), indices, in_rows, dtype};
   const VbeChecked k = check(call, {permutes, in_shapes, out_shapes, in_lengths});
   std::vector<at::Tensor> grad_outs;

@@ -129,7 +129,7 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cuda(
     int64_t batch_size,
     c10::ScalarType dtype) {
   constexpr const char* op = "permute_multi_embedding_backward";
-  std::vector<std::optional<at::Tensor>> held;
+  HeldTensors held;
   const TensorPtrs grads = grad_pointers(grad_outputs, held);
   const at::Tensor* defined = nullptr;
   for (const at::Tensor* g : grads) {
@@ -250,7 +250,7 @@ at::Tensor permute_multi_embedding_vbe_backward_cuda(
     return vbe_backward_portable(
         grad_outputs, indices, permutes, in_shapes, out_shapes, in_lengths, in_rows, dtype);
   }
-  std::vector<std::optional<at::Tensor>> held;
+  HeldTensors held;
   const TensorPtrs grads = grad_pointers(grad_outputs, held);
   const int64_t batch = check(
                             {true, grads, indices, in_rows, dtype, /*device_kernel=*/true},
