@@ -956,6 +956,11 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
             rows, width * es / 16,
             [&](int64_t b, int64_t j) { return ld<__LINE__>(vs + b * v_srs + j); },
             [&](int64_t b, int64_t j, const uint4& v) { st<__LINE__>(vd + b * v_drs + j, v); });
+      } else if (l.cs == 1) {
+        // Contiguous but misaligned: the forward's head, shifted 16-byte words and tail.
+        copy_shifted<static_cast<int>(es)>(
+            src, l.rs * es, reinterpret_cast<char*>(d), drs * es, width * es, 0, rows,
+            [](int64_t b) { return b; });
       } else {
         const D* s = reinterpret_cast<const D*>(src);
         for_tile<D>(
