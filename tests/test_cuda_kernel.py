@@ -327,7 +327,9 @@ def _misaligned_backward_plan(es, used_twice=False):
 @pytest.mark.parametrize("memory", ["contiguous", "sliced"])
 @pytest.mark.parametrize("batch", [1, 33])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
-def test_backward_of_misaligned_segments_of_every_relative_alignment(kernel, dtype, batch, memory, used_twice):
+def test_backward_of_misaligned_segments_of_every_relative_alignment(
+    kernel, dtype, batch, memory, used_twice
+):
     # Gradient blocks copied into misaligned input-gradient segments (a key used once: a
     # head and tail element by element, aligned 16-byte stores between them), or summed
     # with another one (a key used twice); the CPU op's bits either way.
