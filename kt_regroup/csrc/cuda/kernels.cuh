@@ -58,8 +58,9 @@
 // earlier row writes are that row's; on the others r's block sums the gradient blocks of
 // r and of every later row writing them, in plan order, in float32 for float16/bfloat16
 // (float64 where either side is float64, PyTorch's promotion); a column one gradient
-// block of the same dtype writes keeps its bits (-0.0 too). Each input-gradient element
-// is stored once. No atomics, no read-modify-write of global memory. Rows of other keys
+// block of the same dtype writes keeps its bits (-0.0 too), copied as the forward copies
+// (copy_shifted where contiguous and misaligned). Each input-gradient element is stored
+// once. No atomics, no read-modify-write of global memory. Rows of other keys
 // cost the scan only; more than kMaxLinks overlapping rows make every element walk the
 // plan (slow, same bits).
 //
