@@ -302,6 +302,47 @@ def test_misaligned_segments_of_every_relative_alignment(kernel, dtype, batch, m
     _assert_equal([buf[:, 0], buf[:, -2:]], [before[:, 0], before[:, -2:]])
 
 
+def _misaligned_backward_plan(es, used_twice=False):
+    """The backward's counterpart of ``_misaligned_plan``: rows of widths 1..40 writing
+    disjoint columns of one input gradient (a key used once: a copy), at every relative
+    misalignment of the gradient (source) and the input gradient (destination), every
+    pair of the two alignments at a few widths; the gaps zero-filled. ``used_twice``: each
+    key read again from a second gradient output at other alignments (a sum)."""
+    v = 16 // es
+    rows, in_off, out_off = [], 0, [0, 0]
+    for w in range(1, 41):
+        pairs = [(a, c) for a in range(v) for c in range(v)] if w in (1, 15, 16, 17, 40) or v <= 4 \
+            else [(((w + r) % v + r) % v, (w + r) % v) for r in range(v)]
+        for a, c in pairs:
+            in_off += (a - in_off) % v
+            for t in range(2 if used_twice else 1):
+                out_off[t] += (c + 3 * t - out_off[t]) % v
+                rows.append([0, t, in_off, out_off[t], w, 0])
+                out_off[t] += w + v
+            in_off += w + v
+    out_widths = [n + 1 for n in out_off[: 2 if used_twice else 1]]
+    return torch.tensor(rows), [in_off + 1], out_widths
+
+
+@pytest.mark.parametrize("used_twice", [False, True], ids=["copied", "summed"])
+@pytest.mark.parametrize("memory", ["contiguous", "sliced"])
+@pytest.mark.parametrize("batch", [1, 33])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_backward_of_misaligned_segments_of_every_relative_alignment(
+    kernel, dtype, batch, memory, used_twice
+):
+    # Gradient blocks copied into misaligned input-gradient segments (a key used once: a
+    # head and tail element by element, aligned 16-byte stores between them), or summed
+    # with another one (a key used twice); the CPU op's bits either way.
+    p, in_widths, out_widths = _misaligned_backward_plan(dtype.itemsize, used_twice)
+    i, o = torch.tensor(in_widths), torch.tensor(out_widths)
+    grads = [_signed_values(batch, w + 5, dtype, 9 + j) for j, w in enumerate(out_widths)]
+    grads = [g[:, 3:-2] if memory == "sliced" else g[:, :-5].contiguous() for g in grads]
+    got = kernel.backward(grads, p, i, o, in_widths, batch, dtype)
+    _assert_same_bits(got, ops.permute_multi_embedding_backward(grads, p, i, o, in_widths, batch, dtype))
+    _assert_equal(got, permute_multi_embedding_backward_reference(grads, p, i, o, in_widths, batch, dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32, torch.int64], ids=str)
 def test_vbe_misaligned_segments_of_every_relative_alignment(kernel, dtype):
     # The variable-batch forward's copy of misaligned segments, rows through an index.

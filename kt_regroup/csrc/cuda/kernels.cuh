@@ -58,8 +58,9 @@
 // earlier row writes are that row's; on the others r's block sums the gradient blocks of
 // r and of every later row writing them, in plan order, in float32 for float16/bfloat16
 // (float64 where either side is float64, PyTorch's promotion); a column one gradient
-// block of the same dtype writes keeps its bits (-0.0 too). Each input-gradient element
-// is stored once. No atomics, no read-modify-write of global memory. Rows of other keys
+// block of the same dtype writes keeps its bits (-0.0 too), copied as the forward copies
+// (copy_shifted where contiguous and misaligned). Each input-gradient element is stored
+// once. No atomics, no read-modify-write of global memory. Rows of other keys
 // cost the scan only; more than kMaxLinks overlapping rows make every element walk the
 // plan (slow, same bits).
 //
@@ -956,6 +957,11 @@ __global__ void __launch_bounds__(kThreads) permute_backward_kernel(
             rows, width * es / 16,
             [&](int64_t b, int64_t j) { return ld<__LINE__>(vs + b * v_srs + j); },
             [&](int64_t b, int64_t j, const uint4& v) { st<__LINE__>(vd + b * v_drs + j, v); });
+      } else if (l.cs == 1) {
+        // Contiguous but misaligned: the forward's head, shifted 16-byte words and tail.
+        copy_shifted<static_cast<int>(es)>(
+            src, l.rs * es, reinterpret_cast<char*>(d), drs * es, width * es, 0, rows,
+            [](int64_t b) { return b; });
       } else {
         const D* s = reinterpret_cast<const D*>(src);
         for_tile<D>(
