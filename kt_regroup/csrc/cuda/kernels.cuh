@@ -783,9 +783,38 @@ __device__ void build_pieces(Sums& S, Span cols) {
   }
 }
 
-// Fills S for the block of row r (columns `cols` of input gradient wt): the plan is
-// scanned kThreads rows at a time, each thread testing one row, one thread listing the
-// rows that write any of r's columns, in plan order.
+// Fills S from the plan rows that add to `cols`: the plan is scanned kThreads rows at a
+// time, each thread testing one row (hit(k)), then one thread takes the rows hit, in plan
+// order (take(k), until S.walk), and calls chunk_done(k0); the scan stops once S.walk or
+// S.none. Then the pieces of `cols` are built.
+template <typename Hit, typename Take, typename ChunkDone>
+__device__ void scan_sums(
+    int64_t n_rows, Span cols, Sums& S, Hit hit, Take take, ChunkDone chunk_done) {
+  __shared__ bool hits[kThreads];
+  if (threadIdx.x == 0) {
+    S.n_links = S.n_earlier = S.n_pieces = 0;
+    S.walk = S.none = false;
+  }
+  for (int64_t k0 = 0; k0 < n_rows; k0 += kThreads) {
+    const int64_t k = k0 + threadIdx.x;
+    const bool h = k < n_rows && hit(k);
+    hits[threadIdx.x] = h;
+    if (!__syncthreads_or(h)) continue;  // as a rule: rows of other keys only
+    if (threadIdx.x == 0) {
+      for (int t = 0; t < kThreads && !S.walk; ++t) {
+        if (hits[t]) take(k0 + t);
+      }
+      chunk_done(k0);
+    }
+    __syncthreads();
+    if (S.walk || S.none) return;
+  }
+  if (threadIdx.x == 0) build_pieces(S, cols);
+  __syncthreads();
+}
+
+// Fills S for the block of row r (columns `cols` of input gradient wt): the rows that
+// write any of r's columns.
 template <int NW>
 __device__ void find_sums(
     const Launch& L,
@@ -795,53 +824,38 @@ __device__ void find_sums(
     int64_t wt,
     Span cols,
     Sums& S) {
-  __shared__ bool hit[kThreads];
-  if (threadIdx.x == 0) {
-    S.n_links = S.n_earlier = S.n_pieces = 0;
-    S.walk = S.none = false;
-  }
-  for (int64_t k0 = 0; k0 < L.plan.n_rows; k0 += kThreads) {
-    const int64_t k = k0 + threadIdx.x;
-    bool h = false;
-    if (k < L.plan.n_rows) {
-      int64_t ot;
-      Span oc, oa;
-      h = backward_span(load_row<true>(L.plan, k), grads, out, L, ot, oc, oa) && ot == wt &&
-          oc.lo < cols.hi && cols.lo < oc.hi;
-    }
-    hit[threadIdx.x] = h;
-    if (!__syncthreads_or(h)) continue;  // as a rule: rows of other keys only
-    if (threadIdx.x == 0) {
-      for (int t = 0; t < kThreads && !S.walk; ++t) {
-        if (!hit[t]) continue;
-        const Row o = load_row<true>(L.plan, k0 + t);
+  scan_sums(
+      L.plan.n_rows, cols, S,
+      [&](int64_t k) {
+        int64_t ot;
+        Span oc, oa;
+        return backward_span(load_row<true>(L.plan, k), grads, out, L, ot, oc, oa) && ot == wt &&
+               oc.lo < cols.hi && cols.lo < oc.hi;
+      },
+      [&](int64_t k) {
+        const Row o = load_row<true>(L.plan, k);
         int64_t ot;
         Span oc, oa;
         backward_span(o, grads, out, L, ot, oc, oa);
-        if (k0 + t < r) {
+        if (k < r) {
           if (S.n_earlier == kMaxLinks) {
             S.walk = true;
           } else {
             S.earlier[S.n_earlier++] = Span{imax(oc.lo, cols.lo), imin(oc.hi, cols.hi)};
           }
-          continue;
+          return;
         }
         const Span a{imax(oa.lo, cols.lo), imin(oa.hi, cols.hi)};
-        if (a.lo >= a.hi) continue;  // adds nothing here
+        if (a.lo >= a.hi) return;  // adds nothing here
         if (S.n_links == kMaxLinks) {
           S.walk = true;
         } else {
           S.links[S.n_links++] = link_of(o, grads, a);
         }
-      }
-      // Every earlier row is listed once r's own chunk is.
-      if (!S.walk && k0 <= r && r < k0 + kThreads) S.none = covers(S.earlier, S.n_earlier, cols);
-    }
-    __syncthreads();
-    if (S.walk || S.none) return;
-  }
-  if (threadIdx.x == 0) build_pieces(S, cols);
-  __syncthreads();
+      },
+      [&](int64_t k0) {  // every earlier row is listed once r's own chunk is
+        if (!S.walk && k0 <= r && r < k0 + kThreads) S.none = covers(S.earlier, S.n_earlier, cols);
+      });
 }
 
 // Where S.walk: whether row r's block owns column x (no earlier row writes it), calling
@@ -1231,33 +1245,20 @@ __device__ void vbe_find_sums(
     int64_t width,
     Span cols,
     Sums& S) {
-  __shared__ bool hit[kThreads];
-  if (threadIdx.x == 0) {
-    S.n_links = S.n_earlier = S.n_pieces = 0;
-    S.walk = S.none = false;
-  }
-  for (int64_t k0 = 0; k0 < L.plan.n_rows; k0 += kThreads) {
-    const int64_t k = k0 + threadIdx.x;
-    Link l;
-    const bool h =
-        k < L.plan.n_rows && vbe_link(load_row<true>(L.plan, k), grads, i, width, cols, l);
-    hit[threadIdx.x] = h;
-    if (!__syncthreads_or(h)) continue;  // as a rule: rows of other inputs only
-    if (threadIdx.x == 0) {
-      for (int t = 0; t < kThreads && !S.walk; ++t) {
-        if (!hit[t]) continue;
+  scan_sums(
+      L.plan.n_rows, cols, S,
+      [&](int64_t k) {
+        Link l;
+        return vbe_link(load_row<true>(L.plan, k), grads, i, width, cols, l);
+      },
+      [&](int64_t k) {
         if (S.n_links == kMaxLinks) {
           S.walk = true;
         } else {
-          vbe_link(load_row<true>(L.plan, k0 + t), grads, i, width, cols, S.links[S.n_links++]);
+          vbe_link(load_row<true>(L.plan, k), grads, i, width, cols, S.links[S.n_links++]);
         }
-      }
-    }
-    __syncthreads();
-    if (S.walk) return;
-  }
-  if (threadIdx.x == 0) build_pieces(S, cols);
-  __syncthreads();
+      },
+      [](int64_t) {});
 }
 
 // The VBE backward (permute_multi_embedding_vbe_backward), one launch whatever the
