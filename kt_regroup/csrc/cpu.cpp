@@ -1123,10 +1123,22 @@ std::vector<at::Tensor> permute_multi_embedding_backward_cpu(
   std::vector<at::Tensor> out = new_outputs(batch_size, in_lengths, options, /*tiled=*/true, warm);
   if (batch_size == 0) return out;
 
-  // Gradients are read in place with their own strides (only lazy conj/neg resolved).
+  // Gradients are read in place with their own strides (only lazy conj/neg resolved). A
+  // broadcast scalar (both strides 0: the gradient of out.sum()) is read as one row of
+  // its value, repeated (row stride 0), which the copy program reads.
   PerTensor<at::Tensor> readable(grads.size());
   for (size_t j = 0; j < grads.size(); ++j) {
-    if (grads[j]) readable[j] = resolve_lazy(*grads[j]);
+    if (!grads[j]) continue;
+    readable[j] = resolve_lazy(*grads[j]);
+    const at::Tensor& g = readable[j];
+    if (g.size(1) > 1 && g.stride(0) == 0 && g.stride(1) == 0) {
+      at::Tensor row = at::empty({1, g.size(1)}, g.options());
+      const int64_t es = g.element_size();
+      const char* value = static_cast<const char*>(g.const_data_ptr());
+      char* d = static_cast<char*>(row.data_ptr());
+      for (int64_t c = 0; c < g.size(1); ++c) std::memcpy(d + c * es, value, es);
+      readable[j] = row.expand(g.sizes());
+    }
   }
   const BackwardPlan& p = backward_plan(*plan, readable, in_lengths, dtype, grad_dtype);
   const int64_t es = c10::elementSize(dtype);
