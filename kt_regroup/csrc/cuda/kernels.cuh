@@ -355,6 +355,26 @@ struct Bytes<16> {
   using type = Pair64;
 };
 
+// Whether some column of the zero tile [c0, c0 + n_cols) is written by no plan row, on
+// every thread (a barrier): covered[] (kCols, shared) marks the columns that
+// cols(r, a, e) (plan row r writes flat columns [a, e); false: none) covers.
+template <int kCols, typename Cols>
+__device__ bool tile_has_gap(bool* covered, int64_t n_rows, int64_t c0, int64_t n_cols, Cols cols) {
+  for (int k = threadIdx.x; k < kCols; k += kThreads) covered[k] = false;
+  __syncthreads();
+  for (int64_t r = threadIdx.x; r < n_rows; r += kThreads) {
+    int64_t a, e;
+    if (!cols(r, a, e)) continue;
+    a = imax(a, c0);
+    e = imin(e, c0 + n_cols);
+    for (int64_t c = a; c < e; ++c) covered[c - c0] = true;
+  }
+  __syncthreads();
+  bool any = false;
+  for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) any |= !covered[k];
+  return __syncthreads_or(any);
+}
+
 // Zero block blk: zero tiles [blk * T / Z, (blk + 1) * T / Z) of T = zero_tiles, Z =
 // zero_blocks (few blocks, so that where the plan leaves no gap, as a rule, few are
 // idle). Tile z is column tile z / chunks (kDenseZeroCols columns of this launch's
@@ -381,22 +401,16 @@ __device__ void zero_block(const Launch& L, const Tensors<NW>& w, int64_t blk) {
     if (z / chunks != marked) {
       marked = z / chunks;
       __syncthreads();  // first[] written; covered[] read by the previous tile
-      for (int k = threadIdx.x; k < kDenseZeroCols; k += kThreads) covered[k] = false;
-      __syncthreads();
-      for (int64_t r = threadIdx.x; r < L.plan.n_rows; r += kThreads) {
-        const Row row = load_row<kBackward>(L.plan, r);
-        int64_t wt;
-        Span s;
-        if (!writes<kBackward>(row, w, L, wt, s)) continue;
-        // Flat columns [first + off + lo, first + off + hi), inside the tensor, in the tile.
-        const int64_t a = imax(first[wt] + row.write_off + s.lo, c0);
-        const int64_t e = imin(first[wt] + row.write_off + s.hi, c0 + n_cols);
-        for (int64_t c = a; c < e; ++c) covered[c - c0] = true;
-      }
-      __syncthreads();
-      bool any = false;
-      for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) any |= !covered[k];
-      gap = __syncthreads_or(any);
+      gap = tile_has_gap<kDenseZeroCols>(
+          covered, L.plan.n_rows, c0, n_cols, [&](int64_t r, int64_t& a, int64_t& e) {
+            const Row row = load_row<kBackward>(L.plan, r);
+            int64_t wt;
+            Span s;
+            if (!writes<kBackward>(row, w, L, wt, s)) return false;
+            a = first[wt] + row.write_off + s.lo;  // flat columns, inside the tensor
+            e = first[wt] + row.write_off + s.hi;
+            return true;
+          });
     }
     if (!gap) continue;
     const int64_t b0 = (z % chunks) * L.zero_rows;
@@ -1115,21 +1129,17 @@ __device__ void vbe_zero_tile(const VbeLaunch& L, int64_t z) {
   __shared__ bool covered[kZeroCols];
   const int64_t c0 = (z % L.zero_col_tiles) * kZeroCols;
   const int64_t n_cols = imin(kZeroCols, L.total_cols - c0);
-  for (int k = threadIdx.x; k < kZeroCols; k += kThreads) covered[k] = false;
-  __syncthreads();
-  for (int64_t r = threadIdx.x; r < L.plan.n_rows; r += kThreads) {
-    const Row row = load_row<false>(L.plan, r);
-    VbeOut out;
-    Span s;
-    if (!vbe_writes(L, row, out, s)) continue;
-    const int64_t a = imax(out.first + row.write_off + s.lo, c0);
-    const int64_t e = imin(out.first + row.write_off + s.hi, c0 + n_cols);
-    for (int64_t c = a; c < e; ++c) covered[c - c0] = true;
-  }
-  __syncthreads();
-  bool gap = false;
-  for (int64_t k = threadIdx.x; k < n_cols; k += kThreads) gap |= !covered[k];
-  if (!__syncthreads_or(gap)) return;
+  const bool gap = tile_has_gap<kZeroCols>(
+      covered, L.plan.n_rows, c0, n_cols, [&](int64_t r, int64_t& a, int64_t& e) {
+        const Row row = load_row<false>(L.plan, r);
+        VbeOut out;
+        Span s;
+        if (!vbe_writes(L, row, out, s)) return false;
+        a = out.first + row.write_off + s.lo;
+        e = out.first + row.write_off + s.hi;
+        return true;
+      });
+  if (!gap) return;
   const int64_t b0 = (z / L.zero_col_tiles) * L.zero_rows;
   const int64_t b1 = imin(L.batch, b0 + L.zero_rows);
   tile_begins();
